@@ -1,0 +1,30 @@
+# `make test` and `make train` work on a fresh machine: they build .venv with the pinned stack first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.stack-installed
+TORCHAX := $(shell sed -n 's/.*"\(torchax==[^"]*\)".*/\1/p' setup.py)
+export PJRT_DEVICE ?= CPU
+
+.PHONY: test train slow install
+
+install: $(STAMP)
+
+# torch_xla's wheel ships an old torchax/ that imports flax: the pinned torchax is force-reinstalled
+# after it so the distribution's files win, then checked.
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --force-reinstall --no-deps $(TORCHAX)
+	$(PY) -c "import torchax, torch_xla, jax; print('stack:', 'torchax', torchax.__version__, 'jax', jax.__version__)"
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" test
+
+slow: $(STAMP)
+	$(PY) -m pytest -q -m slow test
+
+train: $(STAMP)
+	$(PY) scripts/train_call_jax.py

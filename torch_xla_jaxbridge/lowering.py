@@ -1,0 +1,186 @@
+"""JAX function + abstract signature -> torch_xla computation, and the cache that holds them.
+
+A signature is everything the traced program depends on: the pytree structure of the arguments,
+each tensor's shape and dtype, each static (non-tensor) value, and JAX's trace-time config.
+Functions are held weakly, so closures that die take their entries with them.
+"""
+import collections
+import dataclasses
+import logging
+import threading
+import types
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge import runtime
+
+logger = logging.getLogger(__name__)
+
+_REASONS_KEPT = 256
+
+CacheInfo = collections.namedtuple(
+    "CacheInfo", ["hits", "misses", "maxsize", "currsize", "retrace_reasons"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  """One traced and lowered signature: the computation to call and how to rebuild its outputs."""
+  op_name: str
+  computation: object  # torch_xla XlaComputation
+  out_tree: object  # jax PyTreeDef of the outputs
+  leaf_paths: tuple  # readable path of each input leaf, for re-trace reasons
+
+
+def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
+  """Traces `flat_fn(*avals)` and lowers it to a torch_xla computation.
+
+  `flat_fn` takes the tensor leaves and returns `(out_leaves, out_tree)` as a JAX function would;
+  `out_tree` is captured during tracing.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> avals = [jax.ShapeDtypeStruct((2,), jax.numpy.float32)]
+    >>> comp, tree = lower(lambda x: jax.tree.flatten(x * 2), avals, op_name="xla::double",
+    ...                    enable_x64=False)
+  """
+  jax = runtime.jax_module()
+  from jax._src import config as jax_config
+
+  out_tree = []
+
+  def leaves_only(*flat_args):
+    leaves, tree = flat_fn(*flat_args)
+    out_tree.append(tree)
+    return leaves
+
+  with jax_config.enable_x64(enable_x64), jax_config.use_shardy_partitioner(False):
+    traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
+    lowered = traced.lower(lowering_platforms=(platform or runtime.lowering_platform(),))
+    proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+  import torch_xla
+
+  computation = torch_xla._XLAC._xla_op_computation_from_module_proto(op_name, proto)
+  return computation, out_tree[0]
+
+
+MAX_SIGNATURES_PER_FUNCTION = 64
+
+
+class _FunctionEntries:
+  """The lowered signatures of one function (least recently used first) and its last signature."""
+  __slots__ = ("by_signature", "last_signature")
+
+  def __init__(self):
+    self.by_signature = {}
+    self.last_signature = None
+
+
+class LoweringCache:
+  """Lowered computations keyed by (function, signature).
+
+  Functions are held weakly; code objects (the anchor of closures over plain values, see
+  `call._cache_anchor`) strongly, as they live as long as the program. Each function keeps at most
+  `MAX_SIGNATURES_PER_FUNCTION` signatures, evicting the least recently used.
+
+  Example:
+    >>> cache = LoweringCache()
+    >>> cache.info().currsize
+    0
+  """
+
+  def __init__(self):
+    self._weak = weakref.WeakKeyDictionary()
+    self._strong = {}
+    self._lock = threading.Lock()
+    self.hits = 0
+    self.misses = 0
+    self._reasons = collections.deque(maxlen=_REASONS_KEPT)
+
+  def _table(self, anchor):
+    return self._strong if isinstance(anchor, types.CodeType) else self._weak
+
+  def _function(self, anchor, subkey):
+    entries = self._table(anchor).get(anchor)
+    return entries.get(subkey) if entries is not None else None
+
+  def lookup(self, anchor, subkey, signature):
+    """Returns the `Lowered` for this signature, or None (counting a miss)."""
+    per_function = self._function(anchor, subkey)
+    if per_function is not None:
+      table = per_function.by_signature
+      found = table.pop(signature, None)
+      if found is not None:
+        table[signature] = found  # most recently used last
+        self.hits += 1
+        per_function.last_signature = signature
+        return found
+    self.misses += 1
+    return None
+
+  def previous(self, anchor, subkey):
+    """The (signature, Lowered) this function was last called with, or None if never traced."""
+    per_function = self._function(anchor, subkey)
+    if per_function is None or per_function.last_signature not in per_function.by_signature:
+      return None
+    last = per_function.last_signature
+    return last, per_function.by_signature[last]
+
+  def add(self, anchor, subkey, signature, lowered, reason=None):
+    """Stores a newly lowered signature; `reason` says why a known function was re-traced."""
+    with self._lock:
+      entries = self._table(anchor).setdefault(anchor, {})
+      per_function = entries.setdefault(subkey, _FunctionEntries())
+      table = per_function.by_signature
+      table[signature] = lowered
+      while len(table) > MAX_SIGNATURES_PER_FUNCTION:
+        del table[next(iter(table))]
+      per_function.last_signature = signature
+    if reason is not None:
+      self._reasons.append(reason)
+      logger.debug("re-trace: %s", reason)
+
+  def info(self):
+    """Counters in the shape of functools' CacheInfo, plus the recent re-trace reasons."""
+    size = 0
+    for table in (self._weak, self._strong):
+      for entries in list(table.values()):
+        size += sum(len(e.by_signature) for e in entries.values())
+    return CacheInfo(self.hits, self.misses, MAX_SIGNATURES_PER_FUNCTION, size,
+                     list(self._reasons))
+
+  def clear(self):
+    """Drops every entry and resets the counters."""
+    with self._lock:
+      self._weak = weakref.WeakKeyDictionary()
+      self._strong = {}
+      self.hits = self.misses = 0
+      self._reasons.clear()
+
+
+CACHE = LoweringCache()
+
+
+def cache_info():
+  """Returns `CacheInfo(hits, misses, maxsize, currsize, retrace_reasons)` for `call_jax`.
+
+  `maxsize` is the number of signatures kept per function (least recently used evicted); entries
+  live only as long as their function does. `retrace_reasons` lists, newest last, one line per re-trace of an already-traced function, such as
+  `"double: args[0] shape (4, 4) -> (8, 4)"`.
+
+  Example:
+    >>> import torch_xla_jaxbridge as jb
+    >>> jb.clear_cache(); jb.cache_info().currsize
+    0
+  """
+  return CACHE.info()
+
+
+def clear_cache():
+  """Forgets every lowered computation and resets the counters of `cache_info()`.
+
+  Example:
+    >>> import torch_xla_jaxbridge as jb
+    >>> jb.clear_cache()
+  """
+  CACHE.clear()

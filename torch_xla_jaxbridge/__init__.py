@@ -1,17 +1,23 @@
 """torch_xla_jaxbridge: run the heavy parts of PyTorch/XLA training as JAX, in the same graph.
 
 Importing the package sets `PJRT_DEVICE=CPU` when no device was chosen and no TPU runtime is
-installed. It changes no global JAX config: JAX options the package needs (x64 for 64-bit inputs,
+installed, imports torch_xla and creates its PJRT client. It changes no global JAX config: JAX options the package needs (x64 for 64-bit inputs,
 the GSPMD partitioner) are set only around its own tracing.
 """
 from torch_xla_jaxbridge import runtime as _runtime
 
 _runtime.default_to_cpu()
 
-import torch_xla  # noqa: E402,F401  (registers the 'xla' device)
+import torch_xla  # noqa: E402  (registers the 'xla' device)
+
+# The PJRT client first: before JAX can claim the device, and before torch's autograd engine sizes
+# its per-device queues (a CPU backward before any XLA device exists breaks later XLA backwards).
+torch_xla._XLAC._init_computation_client()
 
 from torch_xla_jaxbridge import errors  # noqa: E402
+from torch_xla_jaxbridge.autograd import (BridgeModule, PureModule, assume_pure,  # noqa: E402
+                                           bridge)
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 
-__all__ = ["call_jax", "cache_info", "clear_cache", "CacheInfo", "errors"]
+__all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache", "CacheInfo", "errors"]

@@ -139,13 +139,14 @@ def _leaf_paths(tree):
   return tuple(names)
 
 
-def _function_name(fn, name):
+def function_name(fn, name=None):
+  """A node-name-safe name for `fn`: `name` if given, else its `__name__` or type name."""
   raw = name or getattr(fn, "__name__", None) or type(fn).__name__
   return re.sub(r"[^0-9A-Za-z_.]", "_", raw)
 
 
 def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef, name):
-  fn_name = _function_name(jax_func, name)
+  fn_name = function_name(jax_func, name)
   paths = _leaf_paths(tree)
   tensor_paths = [p for p, s in zip(paths, statics) if s is _TENSOR]
   for path, t in zip(tensor_paths, tensors):

@@ -11,3 +11,19 @@ class BadArgumentError(BridgeError, TypeError):
 
 class JaxTracingError(BridgeError):
   """The JAX function raised while being traced for one abstract signature."""
+
+
+class DataDependentError(BridgeError):
+  """Bridged torch code used a tensor's value in Python (`if x.sum() > 0`, `.item()`, ...)."""
+
+
+class CapturedTensorError(BridgeError):
+  """Bridged torch code used a tensor that is not one of its arguments."""
+
+
+class LeakedTensorError(BridgeError):
+  """A tensor computed inside a traced function was kept outside it (global list, attribute)."""
+
+
+class MutationError(BridgeError):
+  """Bridged torch code mutated an argument in a way that cannot be written back."""

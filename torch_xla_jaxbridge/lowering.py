@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from torch_xla_jaxbridge import runtime
+from torch_xla_jaxbridge import errors, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,13 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     return leaves
 
   with jax_config.enable_x64(enable_x64), jax_config.use_shardy_partitioner(False):
-    traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
+    try:
+      with jax.checking_leaks():
+        traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
+    except Exception as e:
+      if not str(e).startswith("Leaked trace"):
+        raise
+      raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
     lowered = traced.lower(lowering_platforms=(platform or runtime.lowering_platform(),))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
   import torch_xla
@@ -65,6 +71,15 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
 
 
 MAX_SIGNATURES_PER_FUNCTION = 64
+
+
+def _leak_message(op_name, jax_message):
+  chain = [line.strip() for line in jax_message.splitlines() if "is referred to by" in line]
+  held_by = chain[-1].split("is referred to by", 1)[1].strip() if chain else "an outside object"
+  return (f"{op_name.removeprefix('xla::')}: a value computed inside the traced function escaped "
+          f"it: it is held by {held_by}. Traced functions must return what they compute instead "
+          f"of storing it in globals, lists or attributes (`self.x = ...`); return it as an "
+          f"output. How it is held:\n  " + "\n  ".join(chain[:6]))
 
 
 class _FunctionEntries:

@@ -1,0 +1,285 @@
+"""`bridge`, `BridgeModule`, `assume_pure`, `PureModule`: torch code traced once, backward by jax.vjp.
+
+A bridged call flattens its arguments, splits the tensors into those that need gradients and the
+rest, and adds one `call_jax` node: the forward half of `jax.vjp` of the torchax-converted
+function, whose residuals stay in the graph as XLA tensors. When torch's backward reaches the
+call, a second `call_jax` node applies the saved `vjp` function to the output cotangents.
+"""
+import dataclasses
+import functools
+
+import torch
+
+from torch_xla_jaxbridge import call, convert, errors, runtime
+
+_DIFF, _OTHER = "<diff tensor>", "<tensor>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """What a trace learned about its outputs; travels as static data through `call_jax`."""
+  out_tree: object
+  float_mask: tuple
+  mutated: tuple  # positions (among all argument leaves) updated in place
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """The static part of a bridged call: argument structure, non-tensor values, which tensors
+  need gradients."""
+  treedef: object
+  leaves: tuple  # _DIFF / _OTHER markers at tensor positions, static values elsewhere
+
+  def merge(self, diff, other):
+    diff, other = iter(diff), iter(other)
+    full = [next(diff) if v is _DIFF else next(other) if v is _OTHER else v for v in self.leaves]
+    return self.treedef.unflatten(full)
+
+
+def _register_static_pytree():
+  jax = runtime.jax_module()
+  jax.tree_util.register_pytree_node(_Layout, lambda x: ((), x), lambda aux, _: aux)
+
+
+class Bridged:
+  """A torch function traced once per signature through torchax; see `bridge`."""
+
+  def __init__(self, fn, *, remat=None, name=None):
+    if remat is not None:
+      raise errors.BadArgumentError(
+          "remat: only None is supported until remat policies land; got {remat!r}.")
+    self.fn = fn
+    self.name = call.function_name(fn, name)
+    self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
+    functools.update_wrapper(self, fn, updated=())
+
+  def __call__(self, *args, **kwargs):
+    jax = runtime.jax_module()
+    _ensure_registered()
+    key_data = kwargs.pop("rng_seed") if self.seeded else None
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    grad_on = torch.is_grad_enabled()
+    markers, diff, other = [], [], []
+    for leaf in leaves:
+      if isinstance(leaf, torch.Tensor):
+        needs = grad_on and leaf.requires_grad
+        (diff if needs else other).append(leaf)
+        markers.append(_DIFF if needs else _OTHER)
+      else:
+        markers.append(leaf)
+    spec = _Spec(treedef, tuple(markers))
+    key_data = _key_data(key_data, leaves)
+    if diff:
+      holder = []
+      floats = _VjpFunction.apply(self, spec, key_data, holder, tuple(other), *diff)
+      layout, others, mutated = holder[0]
+    else:
+      floats, others, mutated, layout = call.call_jax(
+          self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
+    _write_back(self.name, leaves, layout.mutated, mutated, diff)
+    floats, others = iter(floats), iter(others)
+    return layout.out_tree.unflatten(
+        [next(floats) if is_float else next(others) for is_float in layout.float_mask])
+
+  def _run(self, spec, diff, other, key_data):
+    jax = runtime.jax_module()
+    args, kwargs = spec.merge(diff, other)
+    outputs, mutated = convert.run_torch(self.fn, key_data, args, kwargs, fn_name=self.name)
+    out_leaves, out_tree = jax.tree.flatten(outputs)
+    float_mask = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)) for x in out_leaves)
+    floats = [x for x, f in zip(out_leaves, float_mask) if f]
+    others = [x for x, f in zip(out_leaves, float_mask) if not f]
+    positions = tuple(sorted(mutated))
+    layout = _Layout(out_tree, float_mask, positions)
+    return floats, (others, [mutated[i] for i in positions], layout)
+
+  def _plain_half(self, spec, other, key_data):
+    floats, (others, mutated, layout) = self._run(spec, (), other, key_data)
+    return floats, others, mutated, layout
+
+  def _forward_half(self, spec, diff, other, key_data):
+    jax = runtime.jax_module()
+    run = lambda *d: self._run(spec, d, other, key_data)  # noqa: E731
+    floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
+    return floats, others, mutated, vjp_fn, layout
+
+
+def _backward_half(vjp_fn, cotangents):
+  return vjp_fn(list(cotangents))
+
+
+class _VjpFunction(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, bridged, spec, key_data, holder, other, *diff):
+    floats, others, mutated, vjp_fn, layout = call.call_jax(
+        bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
+    ctx.vjp_fn = vjp_fn
+    ctx.name = bridged.name
+    holder.append((layout, others, mutated))
+    return tuple(floats)
+
+  @staticmethod
+  def backward(ctx, *cotangents):
+    grads = call.call_jax(_backward_half, (ctx.vjp_fn, cotangents), name=f"{ctx.name}_bwd")
+    return (None, None, None, None, None, *grads)
+
+
+def _key_data(seed, leaves):
+  """int32[2] on the XLA device: fresh from torch_xla's RNG, or derived from a given seed."""
+  if seed is None:
+    return torch.randint(-2**31, 2**31 - 1, (2,), dtype=torch.int32, device=_device(leaves))
+  if isinstance(seed, int):
+    seed = torch.tensor(seed, dtype=torch.int64)
+  seed = seed.to(torch.int64).reshape(())
+  return torch.stack([seed >> 32, seed & 0xFFFFFFFF]).to(torch.int32).to(_device(leaves))
+
+
+def _device(leaves):
+  for leaf in leaves:
+    if isinstance(leaf, torch.Tensor) and leaf.is_xla:
+      return leaf.device
+  import torch_xla
+  return torch_xla.device()
+
+
+def _write_back(name, leaves, positions, values, diff):
+  """Applies the in-place updates the traced code made to its arguments, as eager torch would."""
+  diff_ids = {id(t) for t in diff}
+  for pos, value in zip(positions, values):
+    target = leaves[pos]
+    if id(target) in diff_ids:
+      raise errors.MutationError(
+          f"{name}: an argument that requires grad (shape {tuple(target.shape)}) was modified in "
+          f"place. Bridged code cannot write that back without losing its gradient: work on a "
+          f"copy (`x = x.clone()`) or return the new value.")
+    with torch.no_grad():
+      target.copy_(value)
+
+
+@functools.cache
+def _ensure_registered():
+  _register_static_pytree()
+
+
+def bridge(fn=None, *, remat=None, name=None):
+  """Decorator: the torch function is traced once per signature and runs as one graph node.
+
+  The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to
+  the LazyTensor graph through `call_jax`; torch's backward adds the backward half. Only tensors
+  that require grad get gradients. Randomness (dropout, `torch.rand*`) is fresh on every call
+  and reproducible under `torch_xla.manual_seed`. In-place updates of arguments are written back.
+
+  Args:
+    fn: a torch function of tensors (and static values) returning tensors.
+    remat: rematerialization policy for the backward (None: keep what `jax.vjp` keeps).
+    name: IR node name prefix; defaults to the function's name.
+
+  Returns:
+    The bridged function, with the same call signature.
+
+  Example:
+    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> @jb.bridge
+    ... def mlp(x, w1, w2):
+    ...   return torch.relu(x @ w1) @ w2
+    >>> x = torch.randn(4, 8, device="xla")
+    >>> w1 = torch.randn(8, 16, device="xla", requires_grad=True)
+    >>> w2 = torch.randn(16, 2, device="xla", requires_grad=True)
+    >>> mlp(x, w1, w2).sum().backward()
+  """
+  if fn is None:
+    return functools.partial(bridge, remat=remat, name=name)
+  return Bridged(fn, remat=remat, name=name)
+
+
+def assume_pure(fn, *, add_rng_seed_argument=False):
+  """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
+
+  Unlike upstream, randomness inside `fn` is fresh on every call already. With
+  `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
+  tensor) that fixes the randomness instead, as upstream's does.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
+    >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
+  """
+  bridged = Bridged(fn)
+  bridged.seeded = add_rng_seed_argument
+  return bridged
+
+
+def _module_forward(module, params, buffers, args, kwargs):
+  return torch.func.functional_call(module, (params, buffers), args, kwargs)
+
+
+class BridgeModule(torch.nn.Module):
+  """Wraps a module so its forward is bridged, while it stays the same module to its callers.
+
+  Parameters, buffers and submodules are the wrapped module's own (the same dictionaries), so
+  optimizers, `state_dict()` keys, `.to()`, tied weights and `train()`/`eval()` behave as on the
+  wrapped module, and other attributes are read from it.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layer = jb.BridgeModule(torch.nn.Linear(8, 8).to("xla"))
+    >>> layer(torch.randn(2, 8, device="xla")).sum().backward()
+    >>> layer.weight.grad.shape
+    torch.Size([8, 8])
+  """
+
+  def __init__(self, module, *, remat=None):
+    super().__init__()
+    if not isinstance(module, torch.nn.Module):
+      raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
+    object.__setattr__(self, "_wrapped", module)
+    self._parameters = module._parameters
+    self._buffers = module._buffers
+    self._non_persistent_buffers_set = module._non_persistent_buffers_set
+    self._modules = module._modules
+    self.training = module.training
+    name = type(module).__name__
+    self._bridged = Bridged(functools.partial(_module_forward, module), remat=remat, name=name)
+
+  @property
+  def wrapped(self):
+    """The module whose forward is bridged."""
+    return self._wrapped
+
+  def forward(self, *args, **kwargs):
+    params = dict(self._wrapped.named_parameters())
+    buffers = dict(self._wrapped.named_buffers())
+    return self._bridged(params, buffers, args, kwargs)
+
+  def train(self, mode=True):
+    self._wrapped.train(mode)
+    self.training = mode
+    return self
+
+  def __getattr__(self, name):
+    try:
+      return super().__getattr__(name)
+    except AttributeError:
+      return getattr(object.__getattribute__(self, "_wrapped"), name)
+
+  def __getitem__(self, index):
+    return self._wrapped[index]
+
+  def __len__(self):
+    return len(self._wrapped)
+
+  def __iter__(self):
+    return iter(self._wrapped)
+
+  def extra_repr(self):
+    return f"bridged: {type(self._wrapped).__name__}"
+
+
+class PureModule(BridgeModule):
+  """Upstream `torch_xla.experimental.assume_pure.PureModule`'s call: a `BridgeModule`.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layer = jb.PureModule(torch.nn.Linear(4, 4).to("xla"))
+  """

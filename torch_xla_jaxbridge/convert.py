@@ -1,0 +1,141 @@
+"""torch function -> JAX function, via torchax.
+
+`run_torch` runs torch code on JAX values while JAX traces: every tensor the code sees is a torchax
+tensor wrapping a traced array, randomness draws from a key passed in, and in-place updates of
+arguments are reported so the caller can write them back.
+"""
+import functools
+import os
+import traceback
+
+import torch
+
+from torch_xla_jaxbridge import errors, runtime
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
+                    f"{os.sep}torchax{os.sep}", f"{os.sep}torch_xla{os.sep}", _PACKAGE_DIR)
+_DATA_DEPENDENT = ("TracerBoolConversionError", "ConcretizationTypeError",
+                   "TracerIntegerConversionError", "NonConcreteBooleanIndexError",
+                   "TracerArrayConversionError")
+
+
+@functools.cache
+def environment():
+  """The torchax environment bridged code runs in (created on first use).
+
+  New tensors (`torch.zeros(3)`, `torch.arange(n, device=x.device)`) are JAX values whatever
+  device they name, and math between a torchax tensor and an outside torch tensor is an error
+  rather than a silent constant.
+
+  Example:
+    >>> env = environment()
+  """
+  jax = runtime.jax_module()
+  import torchax.config
+  import torchax.tensor
+
+  class BridgeEnvironment(torchax.tensor.Environment):
+
+    def _should_use_torchax_tensor(self, device):
+      return True
+
+    def _is_same_device(self, the_tensor, new_device):
+      return True
+
+  with jax.ensure_compile_time_eval():  # its default key must be a constant even mid-trace
+    return BridgeEnvironment(
+        torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
+
+
+def run_torch(fn, key_data, args, kwargs, *, fn_name):
+  """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
+
+  Returns `(outputs, mutated)`: outputs with JAX arrays for tensors, and a dict from the position
+  of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code updated in
+  place to its new value. `key_data` (int32[2]) seeds every random op.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> out, mutated = run_torch(torch.sin, None, (jax.numpy.zeros(2),), {}, fn_name="sin")
+  """
+  jax = runtime.jax_module()
+  import torchax.tensor
+
+  env = environment()
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  wrapped = [torchax.tensor.Tensor(x, env) if isinstance(x, jax.Array) else x for x in leaves]
+  t_args, t_kwargs = treedef.unflatten(wrapped)
+  prng = _key(jax, key_data) if key_data is not None else None
+  try:
+    with env.override_property(prng=prng) if prng is not None else _nothing(), env:
+      outputs = fn(*t_args, **(t_kwargs or {}))
+  except errors.BridgeError:
+    raise
+  except Exception as e:
+    raise _translate(e, fn_name) from e
+  mutated = {i: w._elem for i, (w, x) in enumerate(zip(wrapped, leaves))
+             if isinstance(w, torchax.tensor.Tensor) and w._elem is not x}
+  return _unwrap(jax, outputs, fn_name), mutated
+
+
+def _key(jax, key_data):
+  bits = jax.lax.bitcast_convert_type(key_data, jax.numpy.uint32)
+  return jax.random.wrap_key_data(bits)
+
+
+class _nothing:
+
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _unwrap(jax, outputs, fn_name):
+  import torchax.tensor
+
+  def unwrap(x):
+    if isinstance(x, torchax.tensor.Tensor):
+      return x._elem
+    if isinstance(x, torchax.tensor.View):
+      return x.torch()._elem
+    if isinstance(x, torch.Tensor):
+      raise errors.CapturedTensorError(
+          f"{fn_name} returned a torch tensor that is not computed from its arguments (shape "
+          f"{tuple(x.shape)}, device {x.device}). Tensors the function reads from an enclosing "
+          f"scope, a global or an attribute must be passed in as arguments.")
+    return x
+
+  return jax.tree.map(unwrap, outputs, is_leaf=lambda x: isinstance(x, torch.Tensor))
+
+
+def user_frame(exc):
+  """`file:line: source` of the innermost frame of `exc`'s traceback that is user code."""
+  for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+    if not any(marker in frame.filename for marker in _LIBRARY_MARKERS):
+      return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+  return "<unknown line>"
+
+
+def _translate(exc, fn_name):
+  where = user_frame(exc)
+  kind = type(exc).__name__
+  if kind in _DATA_DEPENDENT or "nonzero" in str(exc) or "data-dependent" in str(exc):
+    return errors.DataDependentError(
+        f"{fn_name}: data-dependent Python control flow at {where}\n"
+        f"The value of a tensor is not known while bridged code is traced ({kind}), so it "
+        f"cannot steer Python (`if`, `.item()`, `nonzero`, boolean-mask indexing). Rewrite it "
+        f"with tensors:\n"
+        f"  elementwise choice:  y = torch.where(x.sum() > 0, a, b)\n"
+        f"  branch:              y = torch.cond(x.sum() > 0, true_fn, false_fn, (x,))\n"
+        f"  masked values:       y = torch.where(mask, x, 0) instead of x[mask]")
+  if isinstance(exc, AssertionError) and "mixed math" in str(exc):
+    return errors.CapturedTensorError(
+        f"{fn_name}: a torch tensor that is not an argument of the bridged function was used at "
+        f"{where}. Tensors read from an enclosing scope, a global or an attribute are not part "
+        f"of the traced program: pass them in as arguments (or register them as parameters or "
+        f"buffers of the module).")
+  return errors.JaxTracingError(f"{fn_name} failed while being traced, at {where}: "
+                                f"{kind}: {exc}")

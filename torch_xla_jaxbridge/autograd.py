@@ -7,10 +7,11 @@ call, a second `call_jax` node applies the saved `vjp` function to the output co
 """
 import dataclasses
 import functools
+import weakref
 
 import torch
 
-from torch_xla_jaxbridge import call, convert, errors, runtime
+from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime
 
 _DIFF, _OTHER = "<diff tensor>", "<tensor>"
 
@@ -21,6 +22,13 @@ class _Layout:
   out_tree: object
   float_mask: tuple
   mutated: tuple  # positions (among all argument leaves) updated in place
+
+
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+  """How to rebuild the `vjp` function from the residual tensors it was flattened to."""
+  tree: object
+  dtypes: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +46,8 @@ class _Spec:
 
 def _register_static_pytree():
   jax = runtime.jax_module()
-  jax.tree_util.register_pytree_node(_Layout, lambda x: ((), x), lambda aux, _: aux)
+  for static in (_Layout, _Residuals):
+    jax.tree_util.register_pytree_node(static, lambda x: ((), x), lambda aux, _: aux)
 
 
 class Bridged:
@@ -101,27 +110,33 @@ class Bridged:
     jax = runtime.jax_module()
     run = lambda *d: self._run(spec, d, other, key_data)  # noqa: E731
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
-    return floats, others, mutated, vjp_fn, layout
+    residuals, tree = jax.tree.flatten(vjp_fn)
+    kept = _Residuals(tree, tuple(r.dtype for r in residuals))
+    residuals = [dtypes.torch_compatible(jax, r) for r in residuals]
+    return floats, others, mutated, (kept, residuals), layout
 
 
-def _backward_half(vjp_fn, cotangents):
-  return vjp_fn(list(cotangents))
+def _backward_half(saved, cotangents):
+  jax = runtime.jax_module()
+  kept, residuals = saved
+  residuals = [dtypes.restore(jax, r, d) for r, d in zip(residuals, kept.dtypes)]
+  return kept.tree.unflatten(residuals)(list(cotangents))
 
 
 class _VjpFunction(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, bridged, spec, key_data, holder, other, *diff):
-    floats, others, mutated, vjp_fn, layout = call.call_jax(
+    floats, others, mutated, saved, layout = call.call_jax(
         bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
-    ctx.vjp_fn = vjp_fn
+    ctx.saved = saved
     ctx.name = bridged.name
     holder.append((layout, others, mutated))
     return tuple(floats)
 
   @staticmethod
   def backward(ctx, *cotangents):
-    grads = call.call_jax(_backward_half, (ctx.vjp_fn, cotangents), name=f"{ctx.name}_bwd")
+    grads = call.call_jax(_backward_half, (ctx.saved, cotangents), name=f"{ctx.name}_bwd")
     return (None, None, None, None, None, *grads)
 
 
@@ -210,8 +225,46 @@ def assume_pure(fn, *, add_rng_seed_argument=False):
   return bridged
 
 
-def _module_forward(module, params, buffers, args, kwargs):
-  return torch.func.functional_call(module, (params, buffers), args, kwargs)
+def _module_forward(module, params, buffers, training, args, kwargs):
+  subs = list(module.modules())
+  before = [sub.training for sub in subs]
+  try:
+    for sub, mode in zip(subs, training):
+      sub.training = mode
+    return torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=False)
+  finally:
+    for sub, mode in zip(subs, before):
+      sub.training = mode
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.Size)
+
+
+def structure_key(module):
+  """A hashable description of everything but the tensor values a module's forward depends on,
+  or None when some attribute is not a plain value (then the module is traced on its own).
+
+  Example:
+    >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
+    True
+  """
+  parts = []
+  for name, sub in module.named_modules():
+    attrs = []
+    for key, value in sorted(vars(sub).items()):
+      if key in ("_parameters", "_buffers", "_modules", "training") or key.startswith("_"):
+        continue
+      if not isinstance(value, _PLAIN) and not (isinstance(value, tuple) and
+                                                all(isinstance(v, _PLAIN) for v in value)):
+        return None
+      attrs.append((key, value))
+    tensors = [(k, tuple(t.shape), t.dtype) for k, t in
+               list(sub._parameters.items()) + list(sub._buffers.items()) if t is not None]
+    parts.append((name, type(sub), tuple(attrs), tuple(tensors)))
+  return tuple(parts)
+
+
+_SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers
 
 
 class BridgeModule(torch.nn.Module):
@@ -219,7 +272,9 @@ class BridgeModule(torch.nn.Module):
 
   Parameters, buffers and submodules are the wrapped module's own (the same dictionaries), so
   optimizers, `state_dict()` keys, `.to()`, tied weights and `train()`/`eval()` behave as on the
-  wrapped module, and other attributes are read from it.
+  wrapped module, and other attributes are read from it. Structurally identical modules (same
+  classes, shapes and plain attributes, e.g. the layers of a decoder stack) share one trace.
+  Non-tensor attributes are read when a signature is first traced.
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
@@ -239,8 +294,14 @@ class BridgeModule(torch.nn.Module):
     self._non_persistent_buffers_set = module._non_persistent_buffers_set
     self._modules = module._modules
     self.training = module.training
-    name = type(module).__name__
-    self._bridged = Bridged(functools.partial(_module_forward, module), remat=remat, name=name)
+    key = structure_key(module)
+    shared = _SHARED.get((key, remat)) if key is not None else None
+    if shared is None:
+      shared = Bridged(functools.partial(_module_forward, module), remat=remat,
+                       name=type(module).__name__)
+      if key is not None:
+        _SHARED[(key, remat)] = shared
+    self._bridged = shared
 
   @property
   def wrapped(self):
@@ -248,9 +309,11 @@ class BridgeModule(torch.nn.Module):
     return self._wrapped
 
   def forward(self, *args, **kwargs):
-    params = dict(self._wrapped.named_parameters())
-    buffers = dict(self._wrapped.named_buffers())
-    return self._bridged(params, buffers, args, kwargs)
+    # every name of a tied parameter is passed: its gradient sums over the uses, in torch's backward
+    params = dict(self._wrapped.named_parameters(remove_duplicate=False))
+    buffers = dict(self._wrapped.named_buffers(remove_duplicate=False))
+    training = tuple(m.training for m in self._wrapped.modules())
+    return self._bridged(params, buffers, training, args, kwargs)
 
   def train(self, mode=True):
     self._wrapped.train(mode)

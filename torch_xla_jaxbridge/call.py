@@ -162,7 +162,8 @@ def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef,
   def flat_fn(*tensor_leaves):
     it = iter(tensor_leaves)
     args, kwargs = treedef.unflatten([next(it) if s is _TENSOR else s for s in values])
-    return _jax.tree.flatten(jax_func(*args, **(kwargs or {})))
+    out_leaves, out_tree = _jax.tree.flatten(jax_func(*args, **(kwargs or {})))
+    return [dtypes.torch_compatible(_jax, x) for x in out_leaves], out_tree
 
   enable_x64 = any(t.dtype in dtypes.SIXTY_FOUR_BIT for t in tensors)
   try:

@@ -44,8 +44,32 @@ def environment():
       return True
 
   with jax.ensure_compile_time_eval():  # its default key must be a constant even mid-trace
-    return BridgeEnvironment(
+    env = BridgeEnvironment(
         torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
+  for op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
+    env.override_op_definition(op, _batch_norm)
+  return env
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+  """Batch norm that updates the running statistics in place, as torch does (torchax's drops
+  the update), with the unbiased batch variance for `running_var`."""
+  jax = runtime.jax_module()
+  import torchax.tensor
+  from torchax.ops import jaten
+
+  elem = lambda t: None if t is None else t._elem  # noqa: E731
+  x = elem(input)
+  out, mean, rstd = jaten._aten__native_batch_norm_legit(
+      x, elem(weight), elem(bias), elem(running_mean), elem(running_var), training, momentum, eps)
+  if training and running_mean is not None:
+    axes = [0] + list(range(2, x.ndim))
+    count = x.size // x.shape[1]
+    unbiased = jax.numpy.var(x, axis=axes) * count / max(count - 1, 1)
+    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
+      stat._elem = ((1 - momentum) * stat._elem + momentum * batch).astype(stat._elem.dtype)
+  env = input._env
+  return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
 
 
 def run_torch(fn, key_data, args, kwargs, *, fn_name):

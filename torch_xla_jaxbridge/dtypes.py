@@ -27,6 +27,10 @@ def _table():
 TORCH_TO_JAX = _table()
 JAX_TO_TORCH = {v: k for k, v in TORCH_TO_JAX.items()}
 SIXTY_FOUR_BIT = frozenset({torch.float64, torch.int64, torch.complex128})
+# torch_xla hands XLA's unsigned results to torch as signed tensors of the same width; bitcast so
+# that the tensor's data and its torch dtype agree.
+UNSIGNED_AS_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32):
+                      np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
 
 
 def to_jax(dtype, where="dtype"):
@@ -52,3 +56,35 @@ def to_torch(dtype):
     torch.float32
   """
   return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+def torch_compatible(jax, x):
+  """`x` (a traced JAX value) as a dtype torch_xla represents faithfully: unsigned 16/32/64-bit
+  integers are bitcast to the signed type of the same width; PRNG keys become their key data.
+
+  Example:
+    >>> jax = __import__("jax")
+    >>> torch_compatible(jax, jax.numpy.uint32(7)).dtype
+    dtype('int32')
+  """
+  if not hasattr(x, "dtype"):
+    return x
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  signed = UNSIGNED_AS_SIGNED.get(np.dtype(x.dtype))
+  return jax.lax.bitcast_convert_type(x, signed) if signed is not None else x
+
+
+def restore(jax, x, dtype):
+  """Undoes `torch_compatible` for a value that was of `dtype`.
+
+  Example:
+    >>> jax = __import__("jax")
+    >>> restore(jax, jax.numpy.int32(7), np.dtype("uint32")).dtype
+    dtype('uint32')
+  """
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(jax.lax.bitcast_convert_type(x, np.uint32))
+  if np.dtype(dtype) in UNSIGNED_AS_SIGNED:
+    return jax.lax.bitcast_convert_type(x, dtype)
+  return x

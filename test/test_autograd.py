@@ -154,3 +154,172 @@ def test_attribute_forwarding_and_state_dict(dev):
   bridged(torch.randn(1, 4, 32, device=dev), torch.arange(4, device=dev)).sum().backward()
   optimizer.step()
   assert not torch.equal(model.mlp.up_proj.weight.detach().cpu(), before.cpu())
+
+
+# --- randomness --------------------------------------------------------------------------------
+
+def test_dropout_masks_fresh_reproducible_and_traced_once(dev):
+  drop = jb.bridge(lambda x: F.dropout(x, 0.3, training=True), name="drop")
+  x = torch.ones(4096, device=dev)
+  torch_xla.manual_seed(7)
+  outs = torch.stack([drop(x).cpu() for _ in range(16)])
+  kept = (outs != 0).double()
+  assert abs(kept.mean().item() - 0.7) < 0.01
+  assert abs(kept.var().item() - 0.21) < 0.01
+  torch.testing.assert_close(outs.unique(), torch.tensor([0.0, 1 / 0.7]))
+  assert not torch.equal(kept[0], kept[1])
+  torch_xla.manual_seed(7)
+  assert torch.equal(drop(x).cpu(), outs[0])
+  info = jb.cache_info()
+  assert (info.misses, info.hits) == (1, 16)
+
+
+def test_dropout_backward_uses_the_forward_mask(dev):
+  layer = jb.BridgeModule(torch.nn.Dropout(0.5))
+  x = torch.ones(1000, device=dev, requires_grad=True)
+  out = layer(x)
+  out.sum().backward()
+  torch.testing.assert_close(x.grad.cpu(), out.detach().cpu())
+
+
+def test_torch_rand_inside_bridged_code(dev):
+  noisy = jb.bridge(lambda x: x + torch.rand(x.shape) + torch.randn_like(x))
+  x = torch.zeros(2000, device=dev)
+  a, b = noisy(x).cpu(), noisy(x).cpu()
+  assert not torch.equal(a, b)
+  assert abs(a.mean().item() - 0.5) < 0.1 and abs(a.std().item() - (1 + 1 / 12) ** 0.5) < 0.1
+
+
+def test_assume_pure_with_rng_seed_argument(dev):
+  noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
+  x = torch.zeros(64, device=dev)
+  same = [noisy(x, rng_seed=3).cpu() for _ in range(2)]
+  other = noisy(x, rng_seed=torch.tensor(4, device=dev)).cpu()
+  assert torch.equal(same[0], same[1]) and not torch.equal(same[0], other)
+  assert jb.cache_info().misses == 1
+
+
+def test_assume_pure_and_pure_module_match_eager(dev):
+  def mlp(x, w):
+    return torch.tanh(x @ w).sum()
+
+  w = torch.randn(4, 3)
+  wx = w.to(dev).requires_grad_()
+  jb.assume_pure(mlp)(torch.ones(2, 4, device=dev), wx).backward()
+  wr = w.clone().requires_grad_()
+  mlp(torch.ones(2, 4), wr).backward()
+  assert rel_err(wx.grad, wr.grad) < 1e-5
+  check_module_type = jb.PureModule(torch.nn.Linear(4, 2).to(dev))
+  assert isinstance(check_module_type, jb.BridgeModule)
+
+
+# --- one trace, one node -----------------------------------------------------------------------
+
+def ir_nodes(tensor):
+  return [line for line in torch_xla._XLAC._get_xla_tensors_text([tensor]).splitlines()
+          if "=" in line]
+
+
+def test_eight_layers_trace_once_and_add_one_node_each(dev):
+  torch.manual_seed(0)
+  plain = [models.DecoderLayer().to(dev) for _ in range(8)]
+  layers = [jb.BridgeModule(copy.deepcopy(layer)) for layer in plain]
+  positions = torch.arange(8, device=dev)
+  params = [p for layer in layers for p in layer.parameters()]
+  optimizer = torch.optim.SGD(params, lr=0.01)
+  torch_xla.sync()
+  for step in range(10):
+    h = torch.randn(2, 8, 32, device=dev)
+    for layer in layers:
+      h = layer(h, positions)
+    if step == 0:
+      bridged_ir = ir_nodes(h)
+    h.pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    torch_xla.sync()
+  info = jb.cache_info()
+  # two layer signatures (the first layer's input needs no grad), each one forward and one
+  # backward trace, shared by the 8 identical layers over 10 steps
+  assert (info.misses, info.hits) == (4, 10 * 8 * 2 - 4), info.retrace_reasons
+  assert sum("xla::DecoderLayer_fwd(" in n for n in bridged_ir) == 8
+  assert not any(op in n for n in bridged_ir for op in ("aten::mm", "aten::matmul", "aten::bmm"))
+  h = torch.randn(2, 8, 32, device=dev)
+  for layer in plain:
+    h = layer(h, positions)
+  plain_ir = ir_nodes(h)
+  torch_xla.sync()
+  assert len(bridged_ir) * 3 < len(plain_ir)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+def branchy(x):
+  if x.sum() > 0:
+    return x
+  return -x
+
+
+def uses_item(x):
+  return x * x.max().item()
+
+
+def uses_nonzero(x):
+  return torch.nonzero(x)
+
+
+def masks_by_value(x):
+  return x[x > 0].sum()
+
+
+@pytest.mark.parametrize("fn, line", [
+    (branchy, "if x.sum() > 0:"),
+    (uses_item, "return x * x.max().item()"),
+    (uses_nonzero, "return torch.nonzero(x)"),
+    (masks_by_value, "return x[x > 0].sum()"),
+])
+def test_data_dependent_control_flow_names_the_line(dev, fn, line):
+  with pytest.raises(jb.errors.DataDependentError) as caught:
+    jb.bridge(fn)(torch.randn(5, device=dev))
+  message = str(caught.value)
+  assert message.startswith(f"{fn.__name__}: data-dependent Python control flow at ")
+  assert f"test_autograd.py:" in message and line in message
+  assert "torch.where" in message and "torch.cond" in message
+
+
+LEAKED = []
+
+
+def test_leak_to_a_global_list_is_reported_at_the_call(dev):
+  def leaky(x):
+    y = x * 2
+    LEAKED.append(y)
+    return y
+
+  with pytest.raises(jb.errors.LeakedTensorError, match=r"leaky_fwd: a tensor computed inside "
+                     r"the traced function was kept outside it, in test_autograd.LEAKED"):
+    jb.bridge(leaky)(torch.ones(3, device=dev))
+  LEAKED.clear()
+
+
+def test_leak_to_a_module_attribute_is_reported_at_the_call(dev):
+  class Stash(torch.nn.Module):
+
+    def forward(self, x):
+      self.last = x * 3
+      return self.last + 1
+
+  with pytest.raises(jb.errors.LeakedTensorError, match=r"Stash_fwd: .* kept outside it, in "
+                     r"Stash.last\. .*return it as an output"):
+    jb.BridgeModule(Stash())(torch.ones(3, device=dev))
+
+
+def test_mutating_an_input_that_requires_grad_is_refused(dev):
+  @jb.bridge
+  def scale_in_place(x):
+    x.mul_(2)
+    return x.sum()
+
+  with pytest.raises(jb.errors.MutationError, match=r"scale_in_place: an argument that requires "
+                     r"grad \(shape \(3,\)\) was modified in place.*x = x.clone\(\)"):
+    scale_in_place(torch.ones(3, device=dev, requires_grad=True))

@@ -15,11 +15,19 @@ def build_rules():
   return rules
 
 
+def libraries():
+  return {kw["name"]: kw for kind, kw in build_rules() if kind == "py_library"}
+
+
 def test_library_lists_every_module():
-  libraries = [kw for kind, kw in build_rules() if kind == "py_library"]
-  assert len(libraries) == 1
   modules = {str(p.relative_to(ROOT)) for p in (ROOT / "torch_xla_jaxbridge").rglob("*.py")}
-  assert set(libraries[0]["srcs"]) == modules
+  assert set(libraries()["torch_xla_jaxbridge"]["srcs"]) == modules
+
+
+def test_support_library_lists_every_helper():
+  helpers = {str(p.relative_to(ROOT)) for p in (ROOT / "test").glob("*.py")
+             if not p.name.startswith("test_")}
+  assert set(libraries()["test_support"]["srcs"]) == helpers
 
 
 def test_one_py_test_per_test_file():
@@ -27,4 +35,5 @@ def test_one_py_test_per_test_file():
   files = {p.stem: str(p.relative_to(ROOT)) for p in (ROOT / "test").glob("test_*.py")}
   assert set(tests) == set(files)
   for name, kw in tests.items():
-    assert kw["srcs"] == [files[name]] and ":torch_xla_jaxbridge" in kw["deps"]
+    assert kw["srcs"] == [files[name]]
+    assert kw["deps"] == [":torch_xla_jaxbridge", ":test_support"]

@@ -38,6 +38,10 @@ class _Spec:
   treedef: object
   leaves: tuple  # _DIFF / _OTHER markers at tensor positions, static values elsewhere
 
+  def __repr__(self):  # read in re-trace reasons
+    marks = "".join("g" if v is _DIFF else "-" for v in self.leaves if v is _DIFF or v is _OTHER)
+    return f"<tensors needing grad: {marks}>"
+
   def merge(self, diff, other):
     diff, other = iter(diff), iter(other)
     full = [next(diff) if v is _DIFF else next(other) if v is _OTHER else v for v in self.leaves]

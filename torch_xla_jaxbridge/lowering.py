@@ -7,6 +7,7 @@ Functions are held weakly, so closures that die take their entries with them.
 import collections
 import dataclasses
 import logging
+import re
 import threading
 import types
 import weakref
@@ -74,12 +75,25 @@ MAX_SIGNATURES_PER_FUNCTION = 64
 
 
 def _leak_message(op_name, jax_message):
-  chain = [line.strip() for line in jax_message.splitlines() if "is referred to by" in line]
-  held_by = chain[-1].split("is referred to by", 1)[1].strip() if chain else "an outside object"
-  return (f"{op_name.removeprefix('xla::')}: a value computed inside the traced function escaped "
-          f"it: it is held by {held_by}. Traced functions must return what they compute instead "
-          f"of storing it in globals, lists or attributes (`self.x = ...`); return it as an "
-          f"output. How it is held:\n  " + "\n  ".join(chain[:6]))
+  """Our message for JAX's 'Leaked trace' report: who holds the first leaked value."""
+  chain = []
+  for line in jax_message.splitlines():
+    if "is referred to by" in line:
+      chain.append(line.strip())
+    elif chain:
+      break  # the first leaked value's chain is enough
+  holder = "an object outside the function"
+  for line in chain:
+    subject, referrer = (part.strip() for part in line.split("is referred to by", 1))
+    if not referrer.startswith("<"):  # a module-level name: the clearest answer
+      holder = referrer
+      break
+    if subject.startswith("<Tensor ") and holder == "an object outside the function":
+      holder = re.sub(r"<(\w+) \d+>", r"\1", referrer)
+  return (f"{op_name.removeprefix('xla::')}: a tensor computed inside the traced function was "
+          f"kept outside it, in {holder}. Traced code runs once, so that tensor would hold a "
+          f"placeholder, not a value: return it as an output instead of storing it in a global, "
+          f"a list or an attribute (`self.x = ...`). How it is held:\n  " + "\n  ".join(chain))
 
 
 class _FunctionEntries:

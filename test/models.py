@@ -1,9 +1,15 @@
-"""Small torch models shared by the tests: plain PyTorch, no bridge imports."""
+"""Small torch models shared by the tests: plain PyTorch, plus `checkpoint_name` marks (the
+identity outside bridged code) with MaxText's names so remat presets apply."""
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torch_xla_jaxbridge import checkpoint_name
+
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj",
+                    "mlpwi", "mlpwo")
 
 
 class MLP(nn.Module):
@@ -63,14 +69,17 @@ class Attention(nn.Module):
 
   def forward(self, x, positions):
     b, s, _ = x.shape
-    q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-    k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-    v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+    q = checkpoint_name(self.q_proj(x), "query_proj")
+    k = checkpoint_name(self.k_proj(x), "key_proj")
+    v = checkpoint_name(self.v_proj(x), "value_proj")
+    q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+    k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+    v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
     q, k = rotary(q, positions), rotary(k, positions)
     repeat = self.heads // self.kv_heads
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+    return checkpoint_name(self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), "out_proj")
 
 
 class SwiGLU(nn.Module):
@@ -82,7 +91,9 @@ class SwiGLU(nn.Module):
     self.down_proj = nn.Linear(hidden, dim, bias=False)
 
   def forward(self, x):
-    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate = checkpoint_name(self.gate_proj(x), "mlpwi")
+    up = checkpoint_name(self.up_proj(x), "mlpwi")
+    return checkpoint_name(self.down_proj(F.silu(gate) * up), "mlpwo")
 
 
 class DecoderLayer(nn.Module):
@@ -95,6 +106,7 @@ class DecoderLayer(nn.Module):
     self.mlp = SwiGLU(dim, hidden)
 
   def forward(self, x, positions):
+    x = checkpoint_name(x, "decoder_layer_input")
     h = x + self.attn(self.input_norm(x), positions)
     return h + self.mlp(self.post_norm(h))
 

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime
+from torch_xla_jaxbridge import remat as remat_policies
 
 _DIFF, _OTHER = "<diff tensor>", "<tensor>"
 
@@ -29,6 +30,7 @@ class _Residuals:
   """How to rebuild the `vjp` function from the residual tensors it was flattened to."""
   tree: object
   dtypes: tuple
+  on_host: tuple  # offloaded residuals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +60,8 @@ class Bridged:
   """A torch function traced once per signature through torchax; see `bridge`."""
 
   def __init__(self, fn, *, remat=None, name=None):
-    if remat is not None:
-      raise errors.BadArgumentError(
-          "remat: only None is supported until remat policies land; got {remat!r}.")
+    self.policy = remat_policies.policy_for(remat)  # validates `remat`
+    self.offloads = remat_policies.offloads(remat)
     self.fn = fn
     self.name = call.function_name(fn, name)
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
@@ -113,9 +114,13 @@ class Bridged:
   def _forward_half(self, spec, diff, other, key_data):
     jax = runtime.jax_module()
     run = lambda *d: self._run(spec, d, other, key_data)  # noqa: E731
+    if self.policy is not None:
+      run = jax.checkpoint(run, policy=self.policy)
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
     residuals, tree = jax.tree.flatten(vjp_fn)
-    kept = _Residuals(tree, tuple(r.dtype for r in residuals))
+    on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
+                    for r in residuals)
+    kept = _Residuals(tree, tuple(r.dtype for r in residuals), on_host)
     residuals = [dtypes.torch_compatible(jax, r) for r in residuals]
     return floats, others, mutated, (kept, residuals), layout
 
@@ -124,6 +129,9 @@ def _backward_half(saved, cotangents):
   jax = runtime.jax_module()
   kept, residuals = saved
   residuals = [dtypes.restore(jax, r, d) for r, d in zip(residuals, kept.dtypes)]
+  # an offloaded residual arrives as it left the forward, in host memory; the vjp moves it back
+  residuals = [jax.device_put(r, jax.memory.Space.Host) if host else r
+               for r, host in zip(residuals, kept.on_host)]
   return kept.tree.unflatten(residuals)(list(cotangents))
 
 
@@ -131,6 +139,8 @@ class _VjpFunction(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, bridged, spec, key_data, holder, other, *diff):
+    if bridged.offloads and runtime.lowering_platform() == "cpu":
+      remat_policies.warn_offload_dropped("cpu")
     floats, others, mutated, saved, layout = call.call_jax(
         bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
     ctx.saved = saved
@@ -191,7 +201,9 @@ def bridge(fn=None, *, remat=None, name=None):
 
   Args:
     fn: a torch function of tensors (and static values) returning tensors.
-    remat: rematerialization policy for the backward (None: keep what `jax.vjp` keeps).
+    remat: what the backward keeps: None (what `jax.vjp` keeps), a preset (`"full"`, `"dots"`,
+      `"dots_no_batch"`, `"minimal"`, `"minimal_offloaded"`), a `jb.Remat`, or a
+      `jax.checkpoint_policies` policy. See docs/remat.md.
     name: IR node name prefix; defaults to the function's name.
 
   Returns:

@@ -10,10 +10,10 @@ import traceback
 
 import torch
 
-from torch_xla_jaxbridge import errors, runtime
+from torch_xla_jaxbridge import errors, remat, runtime
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
+LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
                     f"{os.sep}torchax{os.sep}", f"{os.sep}torch_xla{os.sep}", _PACKAGE_DIR)
 _DATA_DEPENDENT = ("TracerBoolConversionError", "ConcretizationTypeError",
                    "TracerIntegerConversionError", "NonConcreteBooleanIndexError",
@@ -92,7 +92,8 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   t_args, t_kwargs = treedef.unflatten(wrapped)
   prng = _key(jax, key_data) if key_data is not None else None
   try:
-    with env.override_property(prng=prng) if prng is not None else _nothing(), env:
+    with (env.override_property(prng=prng) if prng is not None else _nothing(), env,
+          remat.torch_checkpoint_as_jax()):
       outputs = fn(*t_args, **(t_kwargs or {}))
   except errors.BridgeError:
     raise
@@ -138,7 +139,7 @@ def _unwrap(jax, outputs, fn_name):
 def user_frame(exc):
   """`file:line: source` of the innermost frame of `exc`'s traceback that is user code."""
   for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-    if not any(marker in frame.filename for marker in _LIBRARY_MARKERS):
+    if not any(marker in frame.filename for marker in LIBRARY_MARKERS):
       return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
   return "<unknown line>"
 

@@ -1,0 +1,132 @@
+"""Remat policies, host offload and the residual report, on the Llama-style decoder layer."""
+import warnings
+
+import jax
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils.checkpoint import checkpoint
+
+import models
+import torch_xla_jaxbridge as jb
+from parity import check_module
+from torch_xla_jaxbridge import remat
+
+PROJECTIONS = {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi"}
+
+
+def decoder_call():
+  return models.DecoderLayer(), torch.randn(2, 8, 32, requires_grad=True), torch.arange(8)
+
+
+def is_input(row):
+  return row.name.startswith("argument ") or row.name in ("constant", "decoder_layer_input")
+
+
+def test_residual_bytes_strictly_decrease():
+  layer, x, pos = decoder_call()
+  sizes = [jb.saved_residuals(layer, x, pos, remat=r).total_bytes
+           for r in (None, "dots", "minimal", "full")]
+  assert sizes[0] > sizes[1] > sizes[2] > sizes[3], sizes
+
+
+def test_full_keeps_only_the_inputs():
+  layer, x, pos = decoder_call()
+  report = jb.saved_residuals(layer, x, pos, remat="full")
+  assert all(is_input(row) for row in report.rows), str(report)
+  assert "argument param attn.q_proj.weight" in report.names()
+  with_names = jb.saved_residuals(layer, x, pos, remat=jb.Remat(save=("mlpwi",)))
+  assert {r.name for r in with_names.rows if r.name in models.CHECKPOINT_NAMES} == {
+      "mlpwi", "decoder_layer_input"}
+
+
+def test_minimal_keeps_the_named_projections():
+  layer, x, pos = decoder_call()
+  report = jb.saved_residuals(layer, x, pos, remat="minimal")
+  assert {r.name for r in report.rows if r.name in models.CHECKPOINT_NAMES} == (
+      PROJECTIONS | {"decoder_layer_input"})
+  assert report.host_bytes == 0
+
+
+def test_offloaded_names_are_host_rows():
+  layer, x, pos = decoder_call()
+  report = jb.saved_residuals(layer, x, pos, remat="minimal_offloaded")
+  host = [r for r in report.rows if r.where == "host"]
+  assert {r.name for r in host} == PROJECTIONS
+  assert report.host_bytes == sum(r.bytes for r in host) > 0
+  assert "where" in str(report) and "host" in str(report)
+
+
+@pytest.mark.parametrize("policy", [None, "full", "dots", "dots_no_batch", "minimal",
+                                    "minimal_offloaded", jb.Remat(save=("mlpwi",), policy="dots"),
+                                    jax.checkpoint_policies.everything_saveable])
+def test_gradients_match_eager_for_every_policy(dev, policy):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the CPU offload warning has its own test
+    check_module(models.DecoderLayer(), torch.randn(2, 8, 32), torch.arange(8), dev=dev,
+                 remat=policy)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_offload_lowering_places_residuals_on_host_and_back(platform):
+  layer, x, pos = decoder_call()
+  forward, backward = jb.lower_bridged(layer, x, pos, platform=platform,
+                                       remat="minimal_offloaded")
+  offloaded = len([r for r in jb.saved_residuals(layer, x, pos, remat="minimal_offloaded").rows
+                   if r.where == "host"])
+  assert forward.count('_xla_buffer_placement = "pinned_host"') == offloaded == 6
+  assert backward.count('_xla_buffer_placement = "device"') == offloaded
+  kept, _ = jb.lower_bridged(layer, x, pos, platform=platform, remat="minimal")
+  assert "_xla_buffer_placement" not in kept
+
+
+def test_offload_on_cpu_warns_once(dev):
+  remat.warn_offload_dropped.cache_clear()
+  layer = jb.BridgeModule(torch.nn.Linear(4, 4).to(dev), remat="minimal_offloaded")
+  with pytest.warns(UserWarning, match="JAX drops host-memory placement on 'cpu'"):
+    layer(torch.ones(2, 4, device=dev)).sum().backward()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    layer(torch.ones(2, 4, device=dev)).sum().backward()
+
+
+def test_bad_remat_values_list_the_choices():
+  with pytest.raises(jb.errors.BadArgumentError,
+                     match=r"remat: unknown preset 'minimum'; choose one of full, dots, "
+                     r"dots_no_batch, minimal, minimal_offloaded"):
+    jb.bridge(lambda x: x, remat="minimum")
+  with pytest.raises(jb.errors.BadArgumentError,
+                     match=r"\['mlpwi'\] are in both `save` and `offload`"):
+    jb.Remat(save=("mlpwi", "query_proj"), offload=("mlpwi",))
+  with pytest.raises(jb.errors.BadArgumentError, match="remat: expected None"):
+    jb.BridgeModule(torch.nn.Linear(2, 2), remat=3)
+
+
+def test_checkpoint_name_is_the_identity_outside_bridged_code(dev):
+  for t in (torch.ones(3), torch.ones(3, device=dev)):
+    assert jb.checkpoint_name(t, "query_proj") is t
+  with pytest.raises(jb.errors.BadArgumentError, match="name: expected a non-empty string"):
+    jb.checkpoint_name(torch.ones(1), "")
+
+
+class CheckpointedBlock(torch.nn.Module):
+  """Uses torch's activation checkpointing, imported both ways model code does."""
+
+  def __init__(self):
+    super().__init__()
+    self.a, self.b = models.SwiGLU(16, 64), models.SwiGLU(16, 64)
+
+  def forward(self, x):
+    x = checkpoint(self.a, x, use_reentrant=False)
+    return torch_checkpoint.checkpoint(self.b, x, use_reentrant=False)
+
+
+def test_torch_utils_checkpoint_recomputes_inside_bridged_code(dev):
+  block, x = CheckpointedBlock(), torch.randn(4, 16, requires_grad=True)
+  plain = models.SwiGLU(16, 64)
+  recomputed = jb.saved_residuals(block, x).total_bytes
+  stored = 2 * jb.saved_residuals(plain, x).total_bytes
+  assert recomputed < stored
+  check_module(CheckpointedBlock(), torch.randn(4, 16), dev=dev)
+  with torch.no_grad():  # outside bridged code torch's own checkpoint still runs
+    block(x)

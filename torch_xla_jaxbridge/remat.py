@@ -1,0 +1,223 @@
+"""Remat policies driven by `checkpoint_name`, host offload, and the residual report.
+
+A policy decides, for each value the forward computes, whether the backward keeps it (saved),
+keeps it in host memory (offloaded) or computes it again (recomputed). Policies are JAX's
+`jax.checkpoint_policies`; this module names them and builds them from tensor names.
+"""
+import dataclasses
+import functools
+import warnings
+
+import torch
+
+from torch_xla_jaxbridge import errors, runtime
+
+MINIMAL_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
+PRESETS = ("full", "dots", "dots_no_batch", "minimal", "minimal_offloaded")
+
+
+def checkpoint_name(tensor, name):
+  """Names `tensor` for remat policies; the identity outside bridged code.
+
+  Inside bridged code it is JAX's `checkpoint_name`, so `Remat(save=(name,))` keeps the tensor for
+  the backward and `Remat(offload=(name,))` keeps it in host memory. Eager and LazyTensor code
+  gets the tensor back unchanged.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> q = jb.checkpoint_name(torch.ones(2) * 3, "query_proj")
+    >>> q.tolist()
+    [3.0, 3.0]
+  """
+  if not isinstance(name, str) or not name:
+    raise errors.BadArgumentError(f"name: expected a non-empty string, got {name!r}.")
+  torchax_tensor = _torchax_tensor_type()
+  if torchax_tensor is not None and isinstance(tensor, torchax_tensor):
+    runtime.jax_module()
+    from jax.ad_checkpoint import checkpoint_name as jax_checkpoint_name
+
+    return torchax_tensor(jax_checkpoint_name(tensor._elem, name), tensor._env)
+  return tensor
+
+
+def _torchax_tensor_type():
+  import sys
+
+  module = sys.modules.get("torchax.tensor")
+  return getattr(module, "Tensor", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+  """A remat configuration: names to save, names to offload to host, and a policy for the rest.
+
+  Args:
+    save: checkpoint names whose tensors the backward keeps in device memory.
+    offload: checkpoint names whose tensors the backward keeps in host memory (`pinned_host`).
+    policy: what happens to every other value: a preset name, a `jax.checkpoint_policies`
+      policy, or None (recompute it).
+
+  Example:
+    >>> import torch_xla_jaxbridge as jb
+    >>> jb.Remat(save=("query_proj",), offload=("mlpwo",), policy="dots_no_batch")
+    Remat(save=('query_proj',), offload=('mlpwo',), policy='dots_no_batch')
+  """
+  save: tuple = ()
+  offload: tuple = ()
+  policy: object = None
+
+  def __post_init__(self):
+    for field in ("save", "offload"):
+      value = getattr(self, field)
+      names = (value,) if isinstance(value, str) else tuple(value)
+      if not all(isinstance(n, str) and n for n in names):
+        raise errors.BadArgumentError(f"Remat.{field}: expected checkpoint names (strings), "
+                                      f"got {value!r}.")
+      object.__setattr__(self, field, names)
+    both = sorted(set(self.save) & set(self.offload))
+    if both:
+      raise errors.BadArgumentError(
+          f"Remat: {both} are in both `save` and `offload`; a tensor is either kept on the "
+          f"device (save) or in host memory (offload). Remove each from one of the two.")
+    if self.policy is not None:
+      policy_for(self.policy)  # validates
+
+
+def _preset(name):
+  jax = runtime.jax_module()
+  policies = jax.checkpoint_policies
+  table = {
+      "full": policies.nothing_saveable,
+      "dots": policies.checkpoint_dots,
+      "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+      "minimal": lambda: _names_policy(MINIMAL_NAMES, (), None),
+      "minimal_offloaded": lambda: _names_policy((), MINIMAL_NAMES, None),
+  }
+  if name not in table:
+    raise errors.BadArgumentError(
+        f"remat: unknown preset {name!r}; choose one of {', '.join(PRESETS)}, a jb.Remat(...), "
+        f"a jax.checkpoint_policies policy, or None.")
+  found = table[name]
+  return found() if name.startswith("minimal") else found
+
+
+def _names_policy(save, offload, base):
+  jax = runtime.jax_module()
+  named = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=save, names_which_can_be_offloaded=offload,
+      offload_src="device", offload_dst="pinned_host")
+  if base is None:
+    return named
+  chosen = frozenset(save) | frozenset(offload)
+
+  def policy(prim, *args, **params):
+    if prim.name == "name" and params.get("name") in chosen:
+      return named(prim, *args, **params)
+    return base(prim, *args, **params)
+
+  return policy
+
+
+@functools.lru_cache(maxsize=None)
+def policy_for(remat):
+  """The JAX checkpoint policy for a `remat=` value, or None for "keep what jax.vjp keeps".
+
+  Accepts None, a preset name (`"full"`, `"dots"`, `"dots_no_batch"`, `"minimal"`,
+  `"minimal_offloaded"`), a `Remat`, or a `jax.checkpoint_policies` policy.
+
+  Example:
+    >>> policy_for("full") is runtime.jax_module().checkpoint_policies.nothing_saveable
+    True
+  """
+  if remat is None:
+    return None
+  if isinstance(remat, str):
+    return _preset(remat)
+  if isinstance(remat, Remat):
+    base = policy_for(remat.policy) if remat.policy is not None else None
+    if not remat.save and not remat.offload:
+      return base or runtime.jax_module().checkpoint_policies.nothing_saveable
+    return _names_policy(remat.save, remat.offload, base)
+  if callable(remat):
+    return remat
+  raise errors.BadArgumentError(
+      f"remat: expected None, one of {', '.join(PRESETS)}, a jb.Remat(...) or a "
+      f"jax.checkpoint_policies policy; got {remat!r}.")
+
+
+def offloads(remat):
+  """Whether a `remat=` value moves any tensor to host memory.
+
+  Example:
+    >>> offloads("minimal_offloaded"), offloads("minimal")
+    (True, False)
+  """
+  if remat == "minimal_offloaded":
+    return True
+  return isinstance(remat, Remat) and (bool(remat.offload) or offloads(remat.policy))
+
+
+@functools.cache
+def warn_offload_dropped(platform):
+  """Says once per platform that JAX drops host-offload annotations there."""
+  warnings.warn(
+      f"remat offload: JAX drops host-memory placement on '{platform}', so offloaded tensors "
+      f"stay in device memory here. Offload takes effect on TPU and GPU; to check the "
+      f"annotations on this machine, use jb.lower_bridged(..., platform='tpu').", stacklevel=3)
+
+
+@functools.cache
+def _original_checkpoint():
+  import torch.utils.checkpoint
+
+  return torch.utils.checkpoint.checkpoint.__wrapped__
+
+
+class torch_checkpoint_as_jax:
+  """Within this context `torch.utils.checkpoint.checkpoint(fn, *args)` becomes `jax.checkpoint`.
+
+  Every reference to torch's `checkpoint`, however it was imported, goes through the wrapper torch
+  puts around it, which calls a per-function hook; this context sets that hook.
+
+  Example:
+    >>> with torch_checkpoint_as_jax():
+    ...   pass
+  """
+
+  _HOOK = "__dynamo_disable"  # a string: attribute syntax would be name-mangled in a class
+
+  def __enter__(self):
+    target = _original_checkpoint()
+    self._before = target.__dict__.get(self._HOOK)
+    setattr(target, self._HOOK, _jax_checkpoint)
+    return self
+
+  def __exit__(self, *exc):
+    target = _original_checkpoint()
+    if self._before is None:
+      delattr(target, self._HOOK)
+    else:
+      setattr(target, self._HOOK, self._before)
+    return False
+
+
+def _jax_checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism_check=None,
+                    debug=None, preserve_rng_state=True, early_stop=True, **kwargs):
+  """torch's checkpoint signature; recomputes `function` in the backward via `jax.checkpoint`."""
+  jax = runtime.jax_module()
+  torchax_tensor = _torchax_tensor_type()
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  positions = [i for i, x in enumerate(leaves) if isinstance(x, torchax_tensor)]
+  env = leaves[positions[0]]._env if positions else None
+
+  def recomputed(*arrays):
+    full = list(leaves)
+    for i, a in zip(positions, arrays):
+      full[i] = torchax_tensor(a, env)
+    call_args, call_kwargs = treedef.unflatten(full)
+    out = function(*call_args, **call_kwargs)
+    return jax.tree.map(lambda t: t._elem if isinstance(t, torchax_tensor) else t, out,
+                        is_leaf=lambda t: isinstance(t, torch.Tensor))
+
+  out = jax.checkpoint(recomputed)(*[leaves[i]._elem for i in positions])
+  return jax.tree.map(lambda a: torchax_tensor(a, env) if isinstance(a, jax.Array) else a, out)

@@ -15,6 +15,17 @@ from torch_xla_jaxbridge import errors, remat, runtime
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
                     f"{os.sep}torchax{os.sep}", f"{os.sep}torch_xla{os.sep}", _PACKAGE_DIR)
+_RECIPES_DIR = os.path.join(_PACKAGE_DIR, "recipes")
+
+
+def is_library_file(filename):
+  """Whether a frame in `filename` is library code (JAX, torch, torchax, this package), not the
+  user's model (the recipes count as user models)."""
+  if filename.startswith(_RECIPES_DIR):
+    return False
+  return any(marker in filename for marker in LIBRARY_MARKERS)
+
+
 _DATA_DEPENDENT = ("TracerBoolConversionError", "ConcretizationTypeError",
                    "TracerIntegerConversionError", "NonConcreteBooleanIndexError",
                    "TracerArrayConversionError")
@@ -139,7 +150,7 @@ def _unwrap(jax, outputs, fn_name):
 def user_frame(exc):
   """`file:line: source` of the innermost frame of `exc`'s traceback that is user code."""
   for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-    if not any(marker in frame.filename for marker in LIBRARY_MARKERS):
+    if not is_library_file(frame.filename):
       return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
   return "<unknown line>"
 

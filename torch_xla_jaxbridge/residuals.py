@@ -217,7 +217,7 @@ def _user_line(source_info):
 
   frames = list(source_info_util.user_frames(source_info.traceback))
   for frame in frames:
-    if not any(marker in frame.file_name for marker in convert.LIBRARY_MARKERS):
+    if not convert.is_library_file(frame.file_name):
       return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
   return "<library code>"
 

@@ -1,0 +1,1 @@
+"""torchprime-style model recipes: model code, configs and the `train` entry point."""

@@ -1,0 +1,114 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, rotary GQA attention, SwiGLU MLP.
+
+The standard tensors carry `checkpoint_name` marks with MaxText's names, so every remat preset
+applies: `decoder_layer_input`, `query_proj`, `key_proj`, `value_proj`, `out_proj`, `mlpwi`,
+`mlpwo`. Outside bridged code the marks are the identity.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_xla_jaxbridge.remat import checkpoint_name
+
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj",
+                    "mlpwi", "mlpwo")
+
+
+class RMSNorm(nn.Module):
+
+  def __init__(self, dim, eps=1e-6):
+    super().__init__()
+    self.weight = nn.Parameter(torch.ones(dim))
+    self.eps = eps
+
+  def forward(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x, positions, base=10000.0):
+  """Rotary position embedding on the last dimension of x: (batch, heads, seq, head_dim)."""
+  half = x.shape[-1] // 2
+  freqs = base ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+  angles = positions[:, None].to(torch.float32) * freqs[None, :]
+  cos, sin = angles.cos(), angles.sin()
+  x1, x2 = x[..., :half], x[..., half:]
+  return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with rotary embeddings and a causal mask."""
+
+  def __init__(self, dim=32, heads=4, kv_heads=2):
+    super().__init__()
+    self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+    self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
+    self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+    self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+    self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+  def forward(self, x, positions):
+    b, s, _ = x.shape
+    q = checkpoint_name(self.q_proj(x), "query_proj")
+    k = checkpoint_name(self.k_proj(x), "key_proj")
+    v = checkpoint_name(self.v_proj(x), "value_proj")
+    q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+    k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+    v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+    q, k = rotary(q, positions), rotary(k, positions)
+    repeat = self.heads // self.kv_heads
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return checkpoint_name(self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), "out_proj")
+
+
+class SwiGLU(nn.Module):
+
+  def __init__(self, dim=32, hidden=64):
+    super().__init__()
+    self.gate_proj = nn.Linear(dim, hidden, bias=False)
+    self.up_proj = nn.Linear(dim, hidden, bias=False)
+    self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+  def forward(self, x):
+    gate = checkpoint_name(self.gate_proj(x), "mlpwi")
+    up = checkpoint_name(self.up_proj(x), "mlpwi")
+    return checkpoint_name(self.down_proj(F.silu(gate) * up), "mlpwo")
+
+
+class DecoderLayer(nn.Module):
+  """Llama-style pre-norm decoder layer: RMSNorm, rotary GQA attention, SwiGLU MLP."""
+
+  def __init__(self, dim=32, heads=4, kv_heads=2, hidden=64):
+    super().__init__()
+    self.input_norm, self.post_norm = RMSNorm(dim), RMSNorm(dim)
+    self.attn = Attention(dim, heads, kv_heads)
+    self.mlp = SwiGLU(dim, hidden)
+
+  def forward(self, x, positions):
+    x = checkpoint_name(x, "decoder_layer_input")
+    h = x + self.attn(self.input_norm(x), positions)
+    return h + self.mlp(self.post_norm(h))
+
+
+class Llama(nn.Module):
+  """Token embedding, a stack of decoder layers, a final norm and the output projection.
+
+  Example:
+    >>> model = Llama(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64)
+    >>> model(torch.zeros(1, 8, dtype=torch.long)).shape
+    torch.Size([1, 8, 256])
+  """
+
+  def __init__(self, vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64):
+    super().__init__()
+    self.embed = nn.Embedding(vocab, dim)
+    self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(layers))
+    self.norm = RMSNorm(dim)
+    self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+  def forward(self, tokens):
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    h = self.embed(tokens)
+    for layer in self.layers:
+      h = layer(h, positions)
+    return self.lm_head(self.norm(h))

@@ -21,6 +21,8 @@ from torch_xla_jaxbridge.call import call_jax  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge.residuals import lower_bridged, saved_residuals  # noqa: E402
+from torch_xla_jaxbridge.scan import scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
-           "Remat", "checkpoint_name", "saved_residuals", "lower_bridged", "CacheInfo", "errors"]
+           "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
+           "scan_layers", "CacheInfo", "errors"]

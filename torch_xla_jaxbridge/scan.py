@@ -1,0 +1,132 @@
+"""`scan_layers`: a stack of identical layers run as one `jax.lax.scan` in one bridged call.
+
+The layers' parameters and buffers are stacked along a new leading axis; the one-layer torch code
+is converted once and becomes the scan body, so trace and compile time do not grow with depth.
+"""
+import functools
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge import autograd, convert, errors, remat as remat_policies, runtime
+
+# The scan's bridged function, shared by layer stacks of one structure, and kept as long as the
+# program runs (a stack whose structure has no key is tied to its first layer instead).
+_BY_STRUCTURE = {}
+_BY_LAYER = weakref.WeakKeyDictionary()
+
+
+def scan_layers(layers, input_data, *, remat=None, shared_args=(), shared_kwargs=None):
+  """Runs `layers` in sequence on `input_data` as one scanned, bridged computation.
+
+  Same first two arguments as `torch_xla.experimental.scan_layers.scan_layers`. Layer `i` is
+  called as `layer(carry, *shared_args, **shared_kwargs)` and must return a value of the same
+  structure as `carry` (a tensor, or a tuple such as `(hidden, aux)`). Gradients reach each
+  layer's own parameters. Randomness differs per layer and per call.
+
+  Args:
+    layers: structurally identical modules (same classes, parameter shapes, plain attributes).
+    input_data: the first layer's carry input.
+    remat: policy for the scan body (see docs/remat.md); None keeps what `jax.vjp` keeps.
+    shared_args, shared_kwargs: extra inputs given unchanged to every layer (positions, masks).
+
+  Returns:
+    The last layer's output (`input_data` itself when `layers` is empty).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layers = [torch.nn.Linear(8, 8).to("xla") for _ in range(4)]
+    >>> out = jb.scan_layers(layers, torch.randn(2, 8, device="xla"))
+  """
+  layers = list(layers)
+  if not layers:
+    return input_data
+  _check_identical(layers)
+  template = layers[0]
+  structure = autograd.structure_key(template)
+  table, key = (_BY_STRUCTURE, (structure, remat)) if structure is not None else (
+      _BY_LAYER.setdefault(template, {}), remat)
+  bridged = table.get(key)
+  if bridged is None:
+    bridged = table[key] = autograd.Bridged(
+        functools.partial(_scan, template, remat_policies.policy_for(remat)),
+        name=f"scan_{type(template).__name__}")
+  params, buffers = _stacked(layers)
+  training = tuple(m.training for m in template.modules())
+  return bridged(len(layers), params, buffers, training, input_data, tuple(shared_args),
+                 shared_kwargs or {})
+
+
+def _check_identical(layers):
+  first = layers[0]
+  reference = _describe(first)
+  for i, layer in enumerate(layers[1:], start=1):
+    if type(layer) is not type(first):
+      raise errors.BadArgumentError(
+          f"scan_layers: layers[{i}] is a {type(layer).__name__}, layers[0] a "
+          f"{type(first).__name__}; every layer must have the same structure.")
+    described = _describe(layer)
+    for name in list(reference) + [k for k in described if k not in reference]:
+      if reference.get(name) != described.get(name):
+        raise errors.BadArgumentError(
+            f"scan_layers: layers[{i}] {name!r} is {described.get(name, 'missing')}, but in "
+            f"layers[0] it is {reference.get(name, 'missing')}; every layer must have the same "
+            f"parameters, buffers and plain attributes.")
+
+
+def _describe(layer):
+  described = {}
+  for kind, items in (("parameter", layer.named_parameters()), ("buffer", layer.named_buffers())):
+    for name, t in items:
+      described[name] = f"{kind} {tuple(t.shape)} {t.dtype}"
+  for name, sub in layer.named_modules():
+    described[f"{name or '<layer>'} class"] = type(sub).__name__
+    for attr, value in vars(sub).items():
+      if not attr.startswith("_") and isinstance(value, (int, float, bool, str)):
+        described[f"{name}.{attr}" if name else attr] = repr(value)
+  return described
+
+
+def _stacked(layers):
+  """Each parameter and buffer stacked over layers, in the graph (so gradients reach each
+  layer's own tensors through `torch.stack`'s backward)."""
+  names = [n for n, _ in layers[0].named_parameters()]
+  per_layer = [dict(l.named_parameters()) for l in layers]
+  params = {n: torch.stack([p[n] for p in per_layer]) for n in names}
+  buffer_names = [n for n, _ in layers[0].named_buffers()]
+  per_layer = [dict(l.named_buffers()) for l in layers]
+  buffers = {n: torch.stack([b[n] for b in per_layer]) for n in buffer_names}
+  return params, buffers
+
+
+def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):
+  """The bridged torch function: runs under torchax, with stacked torchax tensors."""
+  jax = runtime.jax_module()
+  import torchax.tensor
+
+  env = convert.environment()
+  unwrap = lambda tree: jax.tree.map(  # noqa: E731
+      lambda t: t._elem if isinstance(t, torchax.tensor.Tensor) else t, tree,
+      is_leaf=lambda t: isinstance(t, torch.Tensor))
+  wrap = lambda tree: jax.tree.map(  # noqa: E731
+      lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
+  keys = jax.random.split(env.get_and_rotate_prng_key(), count)
+
+  def body(carry, xs):
+    layer_params, layer_buffers, key = xs
+    with env.override_property(prng=key):
+      out = autograd._module_forward(template, wrap(layer_params), wrap(layer_buffers), training,
+                                     (wrap(carry),) + tuple(shared_args), shared_kwargs)
+    out = unwrap(out)
+    if jax.tree.structure(out) != jax.tree.structure(carry):
+      raise errors.BadArgumentError(
+          f"scan_layers: a layer returned {jax.tree.structure(out)} for a carry of structure "
+          f"{jax.tree.structure(carry)}; each layer must return what it takes (e.g. (hidden, "
+          f"aux) for (hidden, aux)).")
+    return out, None
+
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy)
+  final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
+                          length=count)
+  return wrap(final)

@@ -104,3 +104,13 @@ def test_mismatched_layers_name_the_first_difference(dev):
   with pytest.raises(jb.errors.BadArgumentError, match=r"layers\[1\] is a ReLU, layers\[0\] a "
                      r"Linear"):
     jb.scan_layers([torch.nn.Linear(2, 2), torch.nn.ReLU()], torch.ones(2, 2))
+
+
+def test_buffer_updates_inside_a_scan_are_refused_not_dropped(dev):
+  layers = [torch.nn.BatchNorm1d(4).to(dev) for _ in range(2)]
+  with pytest.raises(jb.errors.MutationError, match=r"scan_layers: the layers update buffers "
+                     r"\['num_batches_tracked', 'running_mean', 'running_var'\] in place"):
+    jb.scan_layers(layers, torch.randn(3, 4, device=dev))
+  eval_layers = [layer.eval() for layer in layers]
+  out = jb.scan_layers(eval_layers, torch.ones(3, 4, device=dev))
+  torch.testing.assert_close(out.cpu(), torch.ones(3, 4) / (1 + 1e-5), rtol=1e-4, atol=1e-4)

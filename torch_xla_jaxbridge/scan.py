@@ -114,9 +114,16 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
 
   def body(carry, xs):
     layer_params, layer_buffers, key = xs
+    buffers_in = wrap(layer_buffers)
     with env.override_property(prng=key):
-      out = autograd._module_forward(template, wrap(layer_params), wrap(layer_buffers), training,
+      out = autograd._module_forward(template, wrap(layer_params), buffers_in, training,
                                      (wrap(carry),) + tuple(shared_args), shared_kwargs)
+    changed = [n for n, b in buffers_in.items() if b._elem is not layer_buffers[n]]
+    if changed:
+      raise errors.MutationError(
+          f"scan_layers: the layers update buffers {changed} in place (e.g. BatchNorm running "
+          f"statistics), which a scan cannot write back yet. Bridge each layer with "
+          f"jb.BridgeModule instead, or put the layer in eval mode.")
     out = unwrap(out)
     if jax.tree.structure(out) != jax.tree.structure(carry):
       raise errors.BadArgumentError(

@@ -27,4 +27,4 @@ slow: $(STAMP)
 	$(PY) -m pytest -q -m slow test
 
 train: $(STAMP)
-	$(PY) scripts/train_call_jax.py
+	$(PY) -m torch_xla_jaxbridge.recipes.train

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_xla_jaxbridge.recipes.llama import (CHECKPOINT_NAMES, Attention, DecoderLayer,  # noqa
-                                               RMSNorm, SwiGLU, rotary)
+                                               MoE, RMSNorm, SwiGLU, rotary)
 
 
 class MLP(nn.Module):
@@ -31,23 +31,6 @@ class ConvNet(nn.Module):
   def forward(self, x):
     h = F.relu(self.bn(self.conv(x)))
     return self.head(h.mean(dim=(2, 3)))
-
-
-class MoE(nn.Module):
-  """Top-2 mixture of experts, computed densely (every expert on every token, then combined)."""
-
-  def __init__(self, dim=16, hidden=32, experts=4):
-    super().__init__()
-    self.router = nn.Linear(dim, experts, bias=False)
-    self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(experts))
-
-  def forward(self, x):
-    logits = self.router(x)
-    weights, chosen = torch.topk(logits.softmax(-1), k=2, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    combine = (F.one_hot(chosen, len(self.experts)).to(x.dtype) * weights[..., None]).sum(-2)
-    outs = torch.stack([expert(x) for expert in self.experts], dim=-1)
-    return (outs * combine[..., None, :]).sum(-1)
 
 
 class TiedLM(nn.Module):

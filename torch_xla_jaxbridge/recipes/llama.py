@@ -1,4 +1,5 @@
-"""A Llama-style decoder in plain PyTorch: RMSNorm, rotary GQA attention, SwiGLU MLP.
+"""A Llama-style decoder in plain PyTorch: RMSNorm, rotary GQA attention, SwiGLU MLP, and its
+Mixtral-style variant whose MLP is a top-k mixture of experts.
 
 The standard tensors carry `checkpoint_name` marks with MaxText's names, so every remat preset
 applies: `decoder_layer_input`, `query_proj`, `key_proj`, `value_proj`, `out_proj`, `mlpwi`,
@@ -75,14 +76,32 @@ class SwiGLU(nn.Module):
     return checkpoint_name(self.down_proj(F.silu(gate) * up), "mlpwo")
 
 
-class DecoderLayer(nn.Module):
-  """Llama-style pre-norm decoder layer: RMSNorm, rotary GQA attention, SwiGLU MLP."""
+class MoE(nn.Module):
+  """Top-k mixture of SwiGLU experts, computed densely (every expert on every token, combined by
+  the router's renormalised top-k weights): no data-dependent shapes."""
 
-  def __init__(self, dim=32, heads=4, kv_heads=2, hidden=64):
+  def __init__(self, dim=16, hidden=32, experts=4, top_k=2):
+    super().__init__()
+    self.top_k = top_k
+    self.router = nn.Linear(dim, experts, bias=False)
+    self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(experts))
+
+  def forward(self, x):
+    weights, chosen = torch.topk(self.router(x).softmax(-1), k=self.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    combine = (F.one_hot(chosen, len(self.experts)).to(x.dtype) * weights[..., None]).sum(-2)
+    outs = torch.stack([expert(x) for expert in self.experts], dim=-1)
+    return (outs * combine[..., None, :]).sum(-1)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm decoder layer: RMSNorm, rotary GQA attention, SwiGLU MLP (or MoE with experts>0)."""
+
+  def __init__(self, dim=32, heads=4, kv_heads=2, hidden=64, experts=0, top_k=2):
     super().__init__()
     self.input_norm, self.post_norm = RMSNorm(dim), RMSNorm(dim)
     self.attn = Attention(dim, heads, kv_heads)
-    self.mlp = SwiGLU(dim, hidden)
+    self.mlp = MoE(dim, hidden, experts, top_k) if experts else SwiGLU(dim, hidden)
 
   def forward(self, x, positions):
     x = checkpoint_name(x, "decoder_layer_input")
@@ -93,22 +112,47 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
   """Token embedding, a stack of decoder layers, a final norm and the output projection.
 
+  Set `scan_remat` to a `remat=` value (or `use_scan = True`) to run the stack as one
+  `jb.scan_layers` call.
+
   Example:
     >>> model = Llama(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64)
     >>> model(torch.zeros(1, 8, dtype=torch.long)).shape
     torch.Size([1, 8, 256])
   """
 
-  def __init__(self, vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64):
+  def __init__(self, vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, experts=0,
+               top_k=2):
     super().__init__()
     self.embed = nn.Embedding(vocab, dim)
-    self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(layers))
+    self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden, experts, top_k)
+                                for _ in range(layers))
     self.norm = RMSNorm(dim)
     self.lm_head = nn.Linear(dim, vocab, bias=False)
+    self.use_scan = False
+    self.scan_remat = None
 
   def forward(self, tokens):
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     h = self.embed(tokens)
-    for layer in self.layers:
-      h = layer(h, positions)
+    if self.use_scan:
+      from torch_xla_jaxbridge.scan import scan_layers
+
+      h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
+    else:
+      for layer in self.layers:
+        h = layer(h, positions)
     return self.lm_head(self.norm(h))
+
+
+def build(model_cfg):
+  """A Llama (or, with experts, Mixtral-style) model from a recipe's `model` config section.
+
+  Example:
+    >>> from torch_xla_jaxbridge.recipes import config
+    >>> model = build(config.load()["model"])
+  """
+  return Llama(vocab=model_cfg["vocab"], dim=model_cfg["dim"], layers=model_cfg["layers"],
+               heads=model_cfg["heads"], kv_heads=model_cfg["kv_heads"],
+               hidden=model_cfg["hidden"], experts=model_cfg["experts"],
+               top_k=model_cfg["experts_per_token"])

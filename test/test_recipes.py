@@ -1,0 +1,101 @@
+"""Recipes: config loading and errors, losses of every wrapping against plain LazyTensor, resume."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from torch_xla_jaxbridge.recipes import config, data, train
+
+
+def quiet(line):
+  pass
+
+
+def test_defaults_model_file_and_overrides():
+  cfg = config.load(["model=mixtral-8x7b", "model.layers=2", "train.lr=1", "remat.save=query_proj",
+                     "remat.policy=dots", "remat.scan_layers=true"])
+  assert cfg["model"]["name"] == "mixtral-8x7b" and cfg["model"]["experts"] == 8
+  assert cfg["model"]["layers"] == 2 and cfg["train"]["lr"] == 1.0
+  assert cfg["remat"]["save"] == ["query_proj"] and cfg["remat"]["scan_layers"] is True
+  assert config.remat_setting(cfg) == train.jb.Remat(save=("query_proj",), policy="dots")
+  assert config.load()["model"]["name"] == "llama-tiny"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", r"train.stepz: unknown key 'stepz' in train; valid keys: batch, "
+                      r"checkpoint_every, data, lr, optimizer, seed, seq, steps, weight_decay"),
+    ("trian.steps=3", r"trian.steps: unknown key 'trian' in the top level; valid keys: mesh, "
+                      r"model, out, remat, resume, train"),
+    ("train.steps=many", r"train.steps: expected int \(like 60\), got str 'many'"),
+    ("remat.scan_layers=1", r"remat.scan_layers: expected bool"),
+    ("remat.policy=minimum", r"remat.policy: 'minimum' is not valid; choose one of full, dots, "
+                             r"dots_no_batch, minimal, minimal_offloaded"),
+    ("remat.save=[query_proj,attn_scores]", r"remat.save: 'attn_scores' is not valid; choose one "
+                                            r"of decoder_layer_input, query_proj, key_proj"),
+    ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of llama-3-8b, llama-tiny, "
+                    r"mixtral-8x7b, mixtral-tiny"),
+    ("mesh.fsdp=4", r"SPMD sharding of the recipe is not available yet"),
+    ("steps", r"override 'steps': expected key=value"),
+])
+def test_bad_config_names_the_key_and_the_choices(override, message):
+  with pytest.raises(config.ConfigError, match=message):
+    config.load([override])
+
+
+def test_bad_config_stops_before_any_build(capsys, monkeypatch):
+  monkeypatch.setattr(train, "prepare", lambda *a: pytest.fail("built a model"))
+  assert train.main(["remat.bridge=none", "remat.policy=full"]) == 2
+  assert "config error: remat.bridge=none runs plain LazyTensor layers" in capsys.readouterr().err
+
+
+def test_batches_depend_only_on_seed_and_step():
+  a = data.batch(5, batch=2, seq=16, seed=1, source="corpus", vocab=256)
+  b = data.batch(5, batch=2, seq=16, seed=1, source="corpus", vocab=256)
+  assert all(torch.equal(x, y) for x, y in zip(a, b))
+  assert data.corpus_tokens().max() < 256
+
+
+def three_steps(tmp_path, *overrides):
+  cfg = config.load(["train.steps=3", "train.checkpoint_every=0", f"out={tmp_path}",
+                     *overrides])
+  return train.train(cfg, log=quiet)
+
+
+@pytest.fixture(scope="module")
+def lazy_tensor_losses(tmp_path_factory):
+  return three_steps(tmp_path_factory.mktemp("plain"), "remat.bridge=none")
+
+
+@pytest.mark.parametrize("overrides", [
+    (), ("remat.policy=full",), ("remat.policy=dots",), ("remat.policy=minimal",),
+    ("remat.policy=minimal_offloaded",), ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
+    ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
+], ids=lambda o: " ".join(o) or "bridged")
+def test_losses_match_plain_lazy_tensor(tmp_path, lazy_tensor_losses, overrides):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # offload on CPU warns; test_remat checks that warning
+    losses = three_steps(tmp_path, *overrides)
+  assert losses == pytest.approx(lazy_tensor_losses, rel=2e-4)
+  assert lazy_tensor_losses[2] < lazy_tensor_losses[0]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps_run"] == 3 and summary["residual_bytes_per_layer"] > 0
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+  straight = train.train(config.load(["train.steps=4", "train.checkpoint_every=2",
+                                      f"out={tmp_path / 'straight'}"]), log=quiet)
+  interrupted = tmp_path / "interrupted"
+  first = train.train(config.load(["train.steps=2", "train.checkpoint_every=2",
+                                   f"out={interrupted}"]), log=quiet)
+  lines = []
+  rest = train.train(config.load(["train.steps=4", "train.checkpoint_every=2", "resume=true",
+                                  f"out={interrupted}"]), log=lines.append)
+  assert lines[0].startswith("resumed from") and "step_000002.pt" in lines[0]
+  assert first + rest == pytest.approx(straight, rel=1e-5)
+  assert len((interrupted / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_mixtral_variant_trains(tmp_path):
+  losses = three_steps(tmp_path, "model=mixtral-tiny")
+  assert all(l == l for l in losses) and losses[-1] < losses[0]

@@ -1,0 +1,136 @@
+"""Recipe configuration: YAML defaults, a model file, and `key=value` overrides, all checked
+before anything is built."""
+import pathlib
+
+import yaml
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge.recipes.llama import CHECKPOINT_NAMES
+from torch_xla_jaxbridge.remat import PRESETS
+
+CONFIGS = pathlib.Path(__file__).parent / "configs"
+
+
+class ConfigError(errors.BridgeError, ValueError):
+  """A config key or value the recipe does not accept; says which and what is valid."""
+
+
+def model_choices():
+  """The model files in configs/model, by name."""
+  return sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
+
+
+def load(overrides=()):
+  """The full config: defaults, the chosen model file, then `key=value` overrides.
+
+  Example:
+    >>> cfg = load(["train.steps=3", "remat.policy=minimal"])
+    >>> cfg["train"]["steps"], cfg["model"]["dim"]
+    (3, 64)
+  """
+  cfg = yaml.safe_load((CONFIGS / "default.yaml").read_text())
+  pairs = [_split(o) for o in overrides]
+  for key, value in pairs:
+    if key == "model":
+      cfg["model"] = value
+  cfg["model"] = _model_file(cfg["model"])
+  for key, value in pairs:
+    if key != "model":
+      _set(cfg, key, value)
+  check(cfg)
+  return cfg
+
+
+def _split(override):
+  if "=" not in override:
+    raise ConfigError(f"override {override!r}: expected key=value, e.g. train.steps=10.")
+  key, raw = override.split("=", 1)
+  return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _model_file(name):
+  if not isinstance(name, str) or name not in model_choices():
+    raise ConfigError(f"model: unknown model {name!r}; choose one of {', '.join(model_choices())}.")
+  model = yaml.safe_load((CONFIGS / "model" / f"{name}.yaml").read_text())
+  model["name"] = name
+  return model
+
+
+def _set(cfg, key, value):
+  node, parts = cfg, key.split(".")
+  for depth, part in enumerate(parts):
+    if not isinstance(node, dict) or part not in node:
+      where = ".".join(parts[:depth]) or "the top level"
+      valid = sorted(node) if isinstance(node, dict) else []
+      raise ConfigError(f"{key}: unknown key {part!r} in {where}; valid keys: {', '.join(valid)}.")
+    if depth == len(parts) - 1:
+      node[part] = _typed(key, node[part], value)
+    else:
+      node = node[part]
+
+
+def _typed(key, default, value):
+  """`value` checked against the type of the default it replaces."""
+  if default is None:
+    return value
+  if isinstance(default, bool) or isinstance(value, bool):
+    if isinstance(default, bool) and isinstance(value, bool):
+      return value
+  elif isinstance(default, float) and isinstance(value, int):
+    return float(value)
+  elif isinstance(default, list) and isinstance(value, str):
+    return [value]
+  elif isinstance(value, type(default)):
+    return value
+  raise ConfigError(f"{key}: expected {type(default).__name__} (like {default!r}), got "
+                    f"{type(value).__name__} {value!r}.")
+
+
+def check(cfg):
+  """Raises ConfigError for values the recipe cannot run, naming the key and the valid choices."""
+  train, remat, model, mesh = cfg["train"], cfg["remat"], cfg["model"], cfg["mesh"]
+  _choice("train.optimizer", train["optimizer"], ("adamw",))
+  _choice("train.data", train["data"], ("corpus", "synthetic"))
+  _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
+  _choice("remat.bridge", remat["bridge"], ("layers", "none"))
+  if remat["policy"] is not None:
+    _choice("remat.policy", remat["policy"], PRESETS)
+  for field in ("save", "offload"):
+    for name in remat[field]:
+      _choice(f"remat.{field}", name, CHECKPOINT_NAMES)
+  both = sorted(set(remat["save"]) & set(remat["offload"]))
+  if both:
+    raise ConfigError(f"remat.save and remat.offload both name {both}; keep each in one.")
+  wants_remat = remat["policy"] is not None or remat["save"] or remat["offload"]
+  if remat["bridge"] == "none" and (wants_remat or remat["scan_layers"]):
+    raise ConfigError("remat.bridge=none runs plain LazyTensor layers: remat.policy, save, "
+                      "offload and scan_layers need remat.bridge=layers.")
+  for key in ("batch", "seq", "steps"):
+    if train[key] < 1:
+      raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")
+  if mesh["fsdp"] != 1 or mesh["tensor"] != 1:
+    raise ConfigError("mesh.fsdp / mesh.tensor: SPMD sharding of the recipe is not available "
+                      "yet; valid value: 1.")
+  if model["dim"] % model["heads"] or model["heads"] % model["kv_heads"]:
+    raise ConfigError("model.dim must divide by model.heads, and model.heads by model.kv_heads.")
+
+
+def _choice(key, value, valid):
+  if value not in valid:
+    raise ConfigError(f"{key}: {value!r} is not valid; choose one of {', '.join(map(str, valid))}.")
+
+
+def remat_setting(cfg):
+  """The `remat=` value the config asks for (None, a preset name, or a jb.Remat).
+
+  Example:
+    >>> remat_setting(load(["remat.policy=dots"]))
+    'dots'
+  """
+  from torch_xla_jaxbridge.remat import Remat
+
+  remat = cfg["remat"]
+  if remat["save"] or remat["offload"]:
+    return Remat(save=tuple(remat["save"]), offload=tuple(remat["offload"]),
+                 policy=remat["policy"])
+  return remat["policy"]

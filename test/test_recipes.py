@@ -27,7 +27,7 @@ def test_defaults_model_file_and_overrides():
                       r"checkpoint_every, data, lr, optimizer, seed, seq, steps, weight_decay"),
     ("trian.steps=3", r"trian.steps: unknown key 'trian' in the top level; valid keys: mesh, "
                       r"model, out, remat, resume, train"),
-    ("train.steps=many", r"train.steps: expected int \(like 60\), got str 'many'"),
+    ("train.steps=many", r"train.steps: expected int \(like 200\), got str 'many'"),
     ("remat.scan_layers=1", r"remat.scan_layers: expected bool"),
     ("remat.policy=minimum", r"remat.policy: 'minimum' is not valid; choose one of full, dots, "
                              r"dots_no_batch, minimal, minimal_offloaded"),

@@ -1,0 +1,89 @@
+"""Shared harness of bench_step.py and bench_scan.py: a pre-norm decoder stack trained with SGD on
+the XLA CPU device, one way of running the stack per mode, with compile, host and step times."""
+import statistics
+import time
+
+import torch_xla_jaxbridge as jb
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+from torch_xla.experimental.assume_pure import PureModule
+from torch_xla.experimental.scan_layers import scan_layers as upstream_scan_layers
+
+from torch_xla_jaxbridge.recipes.llama import DecoderLayer
+
+D, HEADS, SEQ, BATCH = 256, 4, 64, 4
+CONFIG = {"D": D, "heads": HEADS, "seq": SEQ, "batch": BATCH, "optimizer": "SGD lr=1e-3"}
+
+
+class PositionsBound(torch.nn.Module):
+  """A decoder layer taking only the hidden state (upstream scan_layers passes one argument)."""
+
+  def __init__(self):
+    super().__init__()
+    self.layer = DecoderLayer(D, HEADS, HEADS, 4 * D)
+    self.register_buffer("positions", torch.arange(SEQ), persistent=False)
+
+  def forward(self, h):
+    return self.layer(h, self.positions)
+
+
+def stack_forward(mode, stack):
+  """The function `h -> h` that runs `stack` the way `mode` says."""
+  if mode == "LazyTensor":
+    layers = stack
+  elif mode == "upstream PureModule":
+    layers = [PureModule(l) for l in stack]
+  elif mode == "ours BridgeModule":
+    layers = [jb.BridgeModule(l) for l in stack]
+  elif mode == "upstream scan_layers":
+    return lambda h: upstream_scan_layers(stack, h)
+  elif mode == "ours scan_layers":
+    return lambda h: jb.scan_layers(stack, h)
+  else:
+    raise ValueError(mode)
+
+  def run(h):
+    for layer in layers:
+      h = layer(h)
+    return h
+
+  return run
+
+
+def compiles():
+  data = met.metric_data("CompileTime")
+  return (data[0], data[1]) if data else (0, 0)
+
+
+def run(mode, layers, steps):
+  """Trains `layers` decoder layers for 2 warm-up and `steps` timed steps; returns a result row."""
+  torch.manual_seed(0)
+  dev = torch_xla.device()
+  stack = [PositionsBound().to(dev) for _ in range(layers)]
+  forward = stack_forward(mode, stack)
+  optimizer = torch.optim.SGD([p for l in stack for p in l.parameters()], lr=1e-3)
+  x = torch.randn(BATCH, SEQ, D).to(dev)  # CPU generator: the same input for every mode
+  before = compiles()
+  host, times, loss = [], [], None
+  for step in range(steps + 2):
+    start = time.perf_counter()
+    loss = forward(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    traced = time.perf_counter()
+    torch_xla.sync(wait=True)
+    done = time.perf_counter()
+    if step == 0:
+      first_s = done - start
+    if step == 1:
+      warm = compiles()
+    if step >= 2:
+      host.append((traced - start) * 1e3)
+      times.append((done - start) * 1e3)
+  after = compiles()
+  return {"mode": mode, "layers": layers, "compile_s": round((warm[1] - before[1]) / 1e9, 2),
+          "first_step_s": round(first_s, 2), "host_ms": round(statistics.median(host), 2),
+          "step_ms": round(statistics.median(times), 1), "compiles_after_warmup": after[0] - warm[0],
+          "loss": round(loss.item(), 6)}

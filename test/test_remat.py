@@ -67,6 +67,23 @@ def test_gradients_match_eager_for_every_policy(dev, policy):
                  remat=policy)
 
 
+def test_assume_pure_takes_remat(dev):
+  def block(x, w):
+    return torch.tanh(jb.checkpoint_name(x @ w, "mlpwi")).sum()
+
+  w = torch.randn(4, 4)
+  saved = jb.saved_residuals(jb.assume_pure(block, remat="full"), torch.ones(2, 4),
+                             w.requires_grad_())
+  kept = jb.saved_residuals(jb.assume_pure(block), torch.ones(2, 4), w)
+  assert all(r.name.startswith("argument") for r in saved.rows)
+  assert not all(r.name.startswith("argument") for r in kept.rows)
+  wx = w.detach().to(dev).requires_grad_()
+  jb.assume_pure(block, remat="full")(torch.ones(2, 4, device=dev), wx).backward()
+  wr = w.detach().clone().requires_grad_()
+  block(torch.ones(2, 4), wr).backward()
+  torch.testing.assert_close(wx.grad.cpu(), wr.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_offload_lowering_places_residuals_on_host_and_back(platform):
   layer, x, pos = decoder_call()

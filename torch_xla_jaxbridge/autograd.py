@@ -224,19 +224,19 @@ def bridge(fn=None, *, remat=None, name=None):
   return Bridged(fn, remat=remat, name=name)
 
 
-def assume_pure(fn, *, add_rng_seed_argument=False):
+def assume_pure(fn, *, add_rng_seed_argument=False, remat=None):
   """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
 
   Unlike upstream, randomness inside `fn` is fresh on every call already. With
   `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
-  tensor) that fixes the randomness instead, as upstream's does.
+  tensor) that fixes the randomness instead, as upstream's does. `remat=` is as for `bridge`.
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
     >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
     >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
   """
-  bridged = Bridged(fn)
+  bridged = Bridged(fn, remat=remat)
   bridged.seeded = add_rng_seed_argument
   return bridged
 

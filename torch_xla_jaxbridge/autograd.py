@@ -150,7 +150,16 @@ class _VjpFunction(torch.autograd.Function):
 
   @staticmethod
   def backward(ctx, *cotangents):
-    grads = call.call_jax(_backward_half, (ctx.saved, cotangents), name=f"{ctx.name}_bwd")
+    try:
+      grads = call.call_jax(_backward_half, (ctx.saved, cotangents), name=f"{ctx.name}_bwd")
+    except errors.JaxTracingError as e:
+      if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
+        raise
+      raise errors.ControlFlowError(
+          f"{ctx.name}: a gradient was asked through torch.while_loop, whose trip count depends "
+          f"on the data; JAX's while loop is forward-only. Use jb.fori_loop(lower, upper, body, "
+          f"init) when the count is known, run the loop under torch.no_grad(), or detach its "
+          f"inputs.") from e
     return (None, None, None, None, None, *grads)
 
 

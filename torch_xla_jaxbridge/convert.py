@@ -4,13 +4,15 @@
 tensor wrapping a traced array, randomness draws from a key passed in, and in-place updates of
 arguments are reported so the caller can write them back.
 """
+import contextlib
 import functools
 import os
+import re
 import traceback
 
 import torch
 
-from torch_xla_jaxbridge import errors, remat, runtime
+from torch_xla_jaxbridge import control_flow, errors, remat, runtime
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
@@ -59,6 +61,7 @@ def environment():
         torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
     env.override_op_definition(op, _batch_norm)
+  control_flow.install()
   return env
 
 
@@ -103,8 +106,8 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   t_args, t_kwargs = treedef.unflatten(wrapped)
   prng = _key(jax, key_data) if key_data is not None else None
   try:
-    with (env.override_property(prng=prng) if prng is not None else _nothing(), env,
-          remat.torch_checkpoint_as_jax()):
+    with (env.override_property(prng=prng) if prng is not None else contextlib.nullcontext(), env,
+          remat.torch_checkpoint_as_jax(), control_flow.operators_direct()):
       outputs = fn(*t_args, **(t_kwargs or {}))
   except errors.BridgeError:
     raise
@@ -118,15 +121,6 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
 def _key(jax, key_data):
   bits = jax.lax.bitcast_convert_type(key_data, jax.numpy.uint32)
   return jax.random.wrap_key_data(bits)
-
-
-class _nothing:
-
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _unwrap(jax, outputs, fn_name):
@@ -155,6 +149,24 @@ def user_frame(exc):
   return "<unknown line>"
 
 
+def _rewrite_hint(source):
+  """Two lines showing how to write the user's data-dependent line with tensors."""
+  branch = re.match(r"\s*(?:el)?if (.+?):\s*$", source)
+  loop = re.match(r"\s*while (.+?):\s*$", source)
+  if branch:
+    test = branch.group(1)
+    return (f"  y = torch.cond({test}, lambda x: <value if true>, lambda x: <value if false>, (x,))\n"
+            f"  y = torch.where({test}, <value if true>, <value if false>)  # element by element")
+  if loop:
+    return (f"  state = torch.while_loop(lambda s: {loop.group(1)}, lambda s: (<next s>,), (s,))\n"
+            f"  state = jb.fori_loop(0, n, lambda i, s: <next s>, s)  # fixed count, differentiable")
+  if ".item()" in source or ".tolist()" in source:
+    return ("  s = x.max()          # keep the value a tensor (no .item())\n"
+            "  y = x * s            # and use it in tensor math")
+  return ("  y = torch.where(mask, x, 0)   # instead of x[mask]\n"
+          "  y = (x * mask).sum()          # instead of x[mask].sum() or nonzero()")
+
+
 def _translate(exc, fn_name):
   where = user_frame(exc)
   kind = type(exc).__name__
@@ -162,11 +174,9 @@ def _translate(exc, fn_name):
     return errors.DataDependentError(
         f"{fn_name}: data-dependent Python control flow at {where}\n"
         f"The value of a tensor is not known while bridged code is traced ({kind}), so it "
-        f"cannot steer Python (`if`, `.item()`, `nonzero`, boolean-mask indexing). Rewrite it "
-        f"with tensors:\n"
-        f"  elementwise choice:  y = torch.where(x.sum() > 0, a, b)\n"
-        f"  branch:              y = torch.cond(x.sum() > 0, true_fn, false_fn, (x,))\n"
-        f"  masked values:       y = torch.where(mask, x, 0) instead of x[mask]")
+        f"cannot steer Python (`if`, `while`, `.item()`, `nonzero`, boolean-mask indexing). "
+        f"Write it with tensors, for example:\n{_rewrite_hint(where.split(': ', 1)[-1])}\n"
+        f"See docs/control_flow.md (torch.cond, torch.while_loop, jb.fori_loop).")
   if isinstance(exc, AssertionError) and "mixed math" in str(exc):
     return errors.CapturedTensorError(
         f"{fn_name}: a torch tensor that is not an argument of the bridged function was used at "

@@ -27,3 +27,7 @@ class LeakedTensorError(BridgeError):
 
 class MutationError(BridgeError):
   """Bridged torch code mutated an argument in a way that cannot be written back."""
+
+
+class ControlFlowError(BridgeError):
+  """Bridged control flow that cannot do what was asked (e.g. a gradient through a while loop)."""

@@ -293,3 +293,16 @@ def test_mutating_an_input_that_requires_grad_is_refused(dev):
   with pytest.raises(jb.errors.MutationError, match=r"scale_in_place: an argument that requires "
                      r"grad \(shape \(3,\)\) was modified in place.*x = x.clone\(\)"):
     scale_in_place(torch.ones(3, device=dev, requires_grad=True))
+
+
+def test_unhashable_static_argument_is_named(dev):
+  with pytest.raises(jb.errors.BadArgumentError, match=r"scale: kwargs\['cfg'\]\['factors'\] is a "
+                     r"ndarray, which is not hashable"):
+    jb.bridge(lambda x, cfg: x * 2, name="scale")(torch.ones(2, device=dev),
+                                                  cfg={"factors": __import__("numpy").ones(2)})
+
+
+def test_missing_rng_seed_is_named(dev):
+  noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
+  with pytest.raises(jb.errors.BadArgumentError, match="takes a keyword rng_seed="):
+    noisy(torch.zeros(2, device=dev))

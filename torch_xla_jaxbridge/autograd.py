@@ -70,6 +70,10 @@ class Bridged:
   def __call__(self, *args, **kwargs):
     jax = runtime.jax_module()
     _ensure_registered()
+    if self.seeded and "rng_seed" not in kwargs:
+      raise errors.BadArgumentError(
+          f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
+          f"(an int or an integer tensor); none was given.")
     key_data = kwargs.pop("rng_seed") if self.seeded else None
     leaves, treedef = jax.tree.flatten((args, kwargs))
     grad_on = torch.is_grad_enabled()
@@ -82,6 +86,7 @@ class Bridged:
       else:
         markers.append(leaf)
     spec = _Spec(treedef, tuple(markers))
+    _check_hashable(self.name, spec, (args, kwargs))
     key_data = _key_data(key_data, leaves)
     if diff:
       holder = []
@@ -161,6 +166,23 @@ class _VjpFunction(torch.autograd.Function):
           f"init) when the count is known, run the loop under torch.no_grad(), or detach its "
           f"inputs.") from e
     return (None, None, None, None, None, *grads)
+
+
+def _check_hashable(name, spec, tree):
+  """Static arguments key the trace cache: an unhashable one is named, not reported as _Spec's."""
+  try:
+    hash(spec)
+  except TypeError:
+    jax = runtime.jax_module()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      try:
+        hash(leaf)
+      except TypeError:
+        where = ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+        raise errors.BadArgumentError(
+            f"{name}: {where} is a {type(leaf).__name__}, which is not hashable, so it cannot key "
+            f"the trace cache. Pass it as a tensor, a tuple, or a hashable value.") from None
+    raise
 
 
 def _key_data(seed, leaves):

@@ -306,3 +306,22 @@ def test_missing_rng_seed_is_named(dev):
   noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
   with pytest.raises(jb.errors.BadArgumentError, match="takes a keyword rng_seed="):
     noisy(torch.zeros(2, device=dev))
+
+
+def test_code_without_randomness_draws_no_key(dev):
+  layer = jb.BridgeModule(models.MLP().to(dev))
+  layer(torch.randn(2, 8, device=dev))
+  torch_xla.sync()
+  out = layer(torch.randn(2, 8, device=dev))
+  assert "aten::random" not in torch_xla._XLAC._get_xla_tensors_text([out])
+
+
+def test_first_call_of_a_newly_random_signature_is_fresh(dev):
+  def first_train_mask(seed):
+    torch_xla.manual_seed(seed)
+    layer = jb.BridgeModule(torch.nn.Dropout(0.5)).eval()
+    x = torch.ones(256, device=dev)
+    layer(x)  # eval: no randomness, so later calls would get the constant key
+    return layer.train()(x).cpu()
+
+  assert not torch.equal(first_train_mask(1), first_train_mask(2))

@@ -65,6 +65,7 @@ class Bridged:
     self.fn = fn
     self.name = call.function_name(fn, name)
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
+    self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
     functools.update_wrapper(self, fn, updated=())
 
   def __call__(self, *args, **kwargs):
@@ -87,23 +88,33 @@ class Bridged:
         markers.append(leaf)
     spec = _Spec(treedef, tuple(markers))
     _check_hashable(self.name, spec, (args, kwargs))
-    key_data = _key_data(key_data, leaves)
-    if diff:
-      holder = []
-      floats = _VjpFunction.apply(self, spec, key_data, holder, tuple(other), *diff)
-      layout, others, mutated = holder[0]
-    else:
-      floats, others, mutated, layout = call.call_jax(
-          self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
+    # code that never draws random numbers gets a constant key: drawing one costs host time
+    fresh = key_data is not None or self.draws_random is not False
+    key = _key_data(key_data, leaves) if fresh else _constant_key(_device(leaves))
+    floats, others, mutated, layout = self._invoke(spec, key, diff, other)
+    if not fresh and self.draws_random:  # this call traced code that does: run it with a fresh key
+      floats, others, mutated, layout = self._invoke(spec, _key_data(None, leaves), diff, other)
     _write_back(self.name, leaves, layout.mutated, mutated, diff)
     floats, others = iter(floats), iter(others)
     return layout.out_tree.unflatten(
         [next(floats) if is_float else next(others) for is_float in layout.float_mask])
 
+  def _invoke(self, spec, key_data, diff, other):
+    if diff:
+      holder = []
+      floats = _VjpFunction.apply(self, spec, key_data, holder, tuple(other), *diff)
+      layout, others, mutated = holder[0]
+      return floats, others, mutated, layout
+    floats, others, mutated, layout = call.call_jax(
+        self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
+    return floats, others, mutated, layout
+
   def _run(self, spec, diff, other, key_data):
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
-    outputs, mutated = convert.run_torch(self.fn, key_data, args, kwargs, fn_name=self.name)
+    outputs, mutated, drew_random = convert.run_torch(self.fn, key_data, args, kwargs,
+                                                      fn_name=self.name)
+    self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
     float_mask = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)) for x in out_leaves)
     floats = [x for x, f in zip(out_leaves, float_mask) if f]
@@ -193,6 +204,11 @@ def _key_data(seed, leaves):
     seed = torch.tensor(seed, dtype=torch.int64)
   seed = seed.to(torch.int64).reshape(())
   return torch.stack([seed >> 32, seed & 0xFFFFFFFF]).to(torch.int32).to(_device(leaves))
+
+
+@functools.lru_cache(maxsize=None)
+def _constant_key(device):
+  return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def _device(leaves):

@@ -89,13 +89,14 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
 def run_torch(fn, key_data, args, kwargs, *, fn_name):
   """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
 
-  Returns `(outputs, mutated)`: outputs with JAX arrays for tensors, and a dict from the position
-  of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code updated in
-  place to its new value. `key_data` (int32[2]) seeds every random op.
+  Returns `(outputs, mutated, drew_random)`: outputs with JAX arrays for tensors; a dict from the
+  position of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code
+  updated in place to its new value; whether the code drew random numbers. `key_data` (int32[2])
+  seeds every random op.
 
   Example:
     >>> jax = runtime.jax_module()
-    >>> out, mutated = run_torch(torch.sin, None, (jax.numpy.zeros(2),), {}, fn_name="sin")
+    >>> out, mutated, drew = run_torch(torch.sin, None, (jax.numpy.zeros(2),), {}, fn_name="sin")
   """
   jax = runtime.jax_module()
   import torchax.tensor
@@ -109,13 +110,14 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
     with (env.override_property(prng=prng) if prng is not None else contextlib.nullcontext(), env,
           remat.torch_checkpoint_as_jax(), control_flow.operators_direct()):
       outputs = fn(*t_args, **(t_kwargs or {}))
+      drew_random = prng is not None and env.param.prng is not prng  # the key was split
   except errors.BridgeError:
     raise
   except Exception as e:
     raise _translate(e, fn_name) from e
   mutated = {i: w._elem for i, (w, x) in enumerate(zip(wrapped, leaves))
              if isinstance(w, torchax.tensor.Tensor) and w._elem is not x}
-  return _unwrap(jax, outputs, fn_name), mutated
+  return _unwrap(jax, outputs, fn_name), mutated, drew_random
 
 
 def _key(jax, key_data):

@@ -1,0 +1,97 @@
+"""Zero-copy conversions between XLA tensors, CPU tensors and `jax.Array`s, through DLPack.
+
+On the CPU PJRT device all three share one host buffer. Each function makes the unsafe cases
+safe: a tensor with pending LazyTensor work is computed first (a DLPack export of it would abort
+the process), a non-contiguous CPU tensor or one whose data is not 64-byte aligned is copied
+(with a warning, since the result then does not share memory), and a tensor that requires grad
+is detached (the result is outside autograd).
+"""
+import warnings
+
+import torch
+
+from torch_xla_jaxbridge import errors, runtime
+
+_ALIGNMENT = 64  # bytes: PJRT's CPU client aliases host buffers aligned like this, copies others
+
+
+def xla_to_jax(tensor):
+  """The `jax.Array` sharing `tensor`'s device buffer (an XLA tensor; pending work is run first).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> a = jb.dlpack.xla_to_jax(torch.arange(4.0, device="xla"))
+    >>> a.tolist()
+    [0.0, 1.0, 2.0, 3.0]
+  """
+  jax = runtime.jax_module()
+  return jax.dlpack.from_dlpack(_exported(tensor, "xla_to_jax"))
+
+
+def jax_to_xla(array):
+  """The XLA tensor sharing `array`'s buffer.
+
+  Example:
+    >>> import jax.numpy as jnp, torch_xla_jaxbridge as jb
+    >>> jb.dlpack.jax_to_xla(jnp.ones(2)).device.type
+    'xla'
+  """
+  from torch_xla.utils import dlpack as xla_dlpack
+
+  jax = runtime.jax_module()
+  if not isinstance(array, jax.Array):
+    raise errors.BadArgumentError(f"jax_to_xla: expected a jax.Array, got {type(array).__name__}.")
+  return xla_dlpack.from_dlpack(array)
+
+
+def xla_to_cpu(tensor):
+  """The CPU tensor sharing `tensor`'s buffer (an XLA tensor on the CPU PJRT device).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> jb.dlpack.xla_to_cpu(torch.ones(2, device="xla")).device.type
+    'cpu'
+  """
+  return torch.utils.dlpack.from_dlpack(_exported(tensor, "xla_to_cpu"))
+
+
+def cpu_to_xla(tensor):
+  """The XLA tensor sharing a CPU tensor's memory (copied, with a warning, when it cannot).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> jb.dlpack.cpu_to_xla(torch.ones(2)).device.type
+    'xla'
+  """
+  from torch_xla.utils import dlpack as xla_dlpack
+
+  if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+    raise errors.BadArgumentError(
+        f"cpu_to_xla: expected a CPU tensor, got "
+        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}.")
+  tensor = tensor.detach()
+  if not tensor.is_contiguous():
+    warnings.warn("cpu_to_xla: the tensor is not contiguous; it was copied, so the XLA tensor "
+                  "does not share its memory.", stacklevel=2)
+    tensor = tensor.contiguous()
+  elif tensor.numel() and tensor.data_ptr() % _ALIGNMENT:
+    warnings.warn(f"cpu_to_xla: the tensor's data is not {_ALIGNMENT}-byte aligned (a view at "
+                  f"storage offset {tensor.storage_offset()}); it was copied, so the XLA tensor "
+                  f"does not share its memory.", stacklevel=2)
+    tensor = tensor.clone()
+  return xla_dlpack.from_dlpack(tensor)
+
+
+def _exported(tensor, name):
+  """A DLPack capsule of an XLA tensor, after running any pending work that produces it."""
+  import torch_xla
+  from torch_xla.utils import dlpack as xla_dlpack
+
+  if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:
+    raise errors.BadArgumentError(
+        f"{name}: expected an XLA tensor, got "
+        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
+        f"use cpu_to_xla for CPU tensors.")
+  tensor = tensor.detach()
+  torch_xla._XLAC._xla_sync_multi([tensor], [], True)  # ~10 us when nothing is pending
+  return xla_dlpack.to_dlpack(tensor)

@@ -19,6 +19,7 @@ from torch_xla_jaxbridge.autograd import (BridgeModule, PureModule, assume_pure,
                                            bridge)
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402
 from torch_xla_jaxbridge.control_flow import fori_loop  # noqa: E402
+from torch_xla_jaxbridge.jaxify import jaxify  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge.residuals import lower_bridged, saved_residuals  # noqa: E402
@@ -26,4 +27,4 @@ from torch_xla_jaxbridge.scan import scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
-           "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack"]
+           "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify"]

@@ -19,7 +19,7 @@ import jax
 import torch
 import torch_xla
 
-from torch_xla_jaxbridge import autograd, residuals
+from torch_xla_jaxbridge import residuals
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer, Llama
 
 POLICIES = [None, "dots", "dots_no_batch", "minimal", "minimal_offloaded", "full"]

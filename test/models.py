@@ -2,7 +2,6 @@
 recipes' own."""
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -50,7 +50,9 @@ class _Spec:
     return self.treedef.unflatten(full)
 
 
+@functools.cache
 def _register_static_pytree():
+  """Lets `_Layout` and `_Residuals` travel through `call_jax` as static output structure (once)."""
   jax = runtime.jax_module()
   for static in (_Layout, _Residuals):
     jax.tree_util.register_pytree_node(static, lambda x: ((), x), lambda aux, _: aux)
@@ -70,7 +72,7 @@ class Bridged:
 
   def __call__(self, *args, **kwargs):
     jax = runtime.jax_module()
-    _ensure_registered()
+    _register_static_pytree()
     if self.seeded and "rng_seed" not in kwargs:
       raise errors.BadArgumentError(
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
@@ -189,9 +191,8 @@ def _check_hashable(name, spec, tree):
       try:
         hash(leaf)
       except TypeError:
-        where = ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
         raise errors.BadArgumentError(
-            f"{name}: {where} is a {type(leaf).__name__}, which is not hashable, so it cannot key "
+            f"{name}: {call.path_name(path)} is a {type(leaf).__name__}, which is not hashable, so it cannot key "
             f"the trace cache. Pass it as a tensor, a tuple, or a hashable value.") from None
     raise
 
@@ -231,11 +232,6 @@ def _write_back(name, leaves, positions, values, diff):
           f"copy (`x = x.clone()`) or return the new value.")
     with torch.no_grad():
       target.copy_(value)
-
-
-@functools.cache
-def _ensure_registered():
-  _register_static_pytree()
 
 
 def bridge(fn=None, *, remat=None, name=None):

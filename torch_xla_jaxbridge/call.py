@@ -128,15 +128,22 @@ def _static_keys(statics, tree):
   return tuple(keys)
 
 
+def path_name(path):
+  """The readable name of a leaf of `(args, kwargs)` from its JAX key path: `args[0]`,
+  `kwargs['x'][1]`, ...
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(((1,), {"x": 2}))[0]]
+    ['args[0]', "kwargs['x']"]
+  """
+  return ("args", "kwargs")[path[0].idx] + runtime.jax_module().tree_util.keystr(path[1:])
+
+
 def _leaf_paths(tree):
-  """Readable names of the leaves of `(args, kwargs)`: args[0], kwargs['x'][1], ..."""
-  keystr = _jax.tree_util.keystr
+  """Readable names of the leaves of `(args, kwargs)`."""
   with_path, _ = _jax.tree_util.tree_flatten_with_path(tree)
-  names = []
-  for path, _ in with_path:
-    head = "args" if path[0].idx == 0 else "kwargs"
-    names.append(head + keystr(path[1:]))
-  return tuple(names)
+  return tuple(path_name(path) for path, _ in with_path)
 
 
 def function_name(fn, name=None):

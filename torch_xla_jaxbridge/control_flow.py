@@ -45,49 +45,39 @@ def operators_direct():
     torch.compiler.is_dynamo_compiling = before
 
 
-def _tools(mode=None):
-  jax = runtime.jax_module()
-  import torchax.tensor
-
+def _traced(fn, mode=None):
+  """A torch function on torchax tensors as a function on JAX arrays."""
   from torch_xla_jaxbridge import convert
 
-  env = convert.environment()
-  tensor = torchax.tensor.Tensor
+  def run(*arrays):
+    # torch pops the dispatch mode while it runs a rule for it; put it back for the branch
+    with mode if mode is not None else contextlib.nullcontext():
+      return convert.to_jax(fn(*convert.to_torchax(arrays)))
 
-  def unwrap(tree):
-    return jax.tree.map(lambda t: t._elem if isinstance(t, tensor) else t, tree,
-                        is_leaf=lambda t: isinstance(t, torch.Tensor))
-
-  def wrap(tree):
-    return jax.tree.map(lambda a: tensor(a, env) if isinstance(a, jax.Array) else a, tree)
-
-  def traced(fn):  # a torch function on torchax tensors -> a function on JAX arrays
-    def run(*arrays):
-      # torch pops the dispatch mode while it runs this rule; put it back for the branch
-      with mode if mode is not None else contextlib.nullcontext():
-        return unwrap(fn(*wrap(arrays)))
-    return run
-
-
-  return jax, unwrap, wrap, traced
+  return run
 
 
 def _cond(mode, pred, true_fn, false_fn, operands):
-  jax, unwrap, wrap, traced = _tools(mode)
-  predicate = unwrap(pred)
+  from torch_xla_jaxbridge import convert
+
+  jax = runtime.jax_module()
+  predicate = convert.to_jax(pred)
   if hasattr(predicate, "shape") and predicate.shape not in ((), (1,)):
     raise errors.BadArgumentError(
         f"torch.cond: the predicate must be one boolean (a 0-d tensor), got shape "
         f"{tuple(predicate.shape)}; reduce it first, e.g. `(x > 0).all()`.")
   predicate = jax.numpy.reshape(predicate, ()).astype(bool)
-  out = jax.lax.cond(predicate, traced(true_fn), traced(false_fn), *unwrap(tuple(operands)))
-  return wrap(out)
+  out = jax.lax.cond(predicate, _traced(true_fn, mode), _traced(false_fn, mode),
+                     *convert.to_jax(tuple(operands)))
+  return convert.to_torchax(out)
 
 
 def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
-  jax, unwrap, wrap, traced = _tools(mode)
-  extra = unwrap(tuple(additional_inputs))
-  test, step = traced(cond_fn), traced(body_fn)
+  from torch_xla_jaxbridge import convert
+
+  jax = runtime.jax_module()
+  extra = convert.to_jax(tuple(additional_inputs))
+  test, step = _traced(cond_fn, mode), _traced(body_fn, mode)
 
   def keep_going(carry):
     return jax.numpy.reshape(test(*carry, *extra), ()).astype(bool)
@@ -95,7 +85,8 @@ def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
   def advance(carry):
     return tuple(step(*carry, *extra))
 
-  return wrap(jax.lax.while_loop(keep_going, advance, tuple(unwrap(tuple(carried_inputs)))))
+  carried = tuple(convert.to_jax(tuple(carried_inputs)))
+  return convert.to_torchax(jax.lax.while_loop(keep_going, advance, carried))
 
 
 def fori_loop(lower, upper, body, init):
@@ -115,20 +106,15 @@ def fori_loop(lower, upper, body, init):
         f"fori_loop: lower and upper must be Python ints (got {type(lower).__name__}, "
         f"{type(upper).__name__}); for a trip count known only at run time use "
         f"torch._higher_order_ops.while_loop.while_loop (forward-only in bridged code).")
+  from torch_xla_jaxbridge import convert
+
   leaves = init if isinstance(init, tuple) else (init,)
-  torchax_tensor = _torchax_tensor()
+  torchax_tensor = convert.torchax_tensor_type()
   if torchax_tensor is None or not any(isinstance(t, torchax_tensor) for t in leaves):
     value = init
     for i in range(lower, upper):
       value = body(i, value)
     return value
-  jax, unwrap, wrap, traced = _tools()
-  step = traced(body)
-  return wrap(jax.lax.fori_loop(lower, upper, step, unwrap(init)))
-
-
-def _torchax_tensor():
-  import sys
-
-  module = sys.modules.get("torchax.tensor")
-  return getattr(module, "Tensor", None)
+  jax = runtime.jax_module()
+  looped = jax.lax.fori_loop(lower, upper, _traced(body), convert.to_jax(init))
+  return convert.to_torchax(looped)

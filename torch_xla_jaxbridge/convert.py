@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import traceback
 
 import torch
@@ -63,6 +64,44 @@ def environment():
     env.override_op_definition(op, _batch_norm)
   control_flow.install()
   return env
+
+
+def torchax_tensor_type():
+  """torchax's tensor class, or None while torchax is not imported (then no tensor is one).
+
+  Example:
+    >>> torchax_tensor_type() is None or torchax_tensor_type().__name__ == "Tensor"
+    True
+  """
+  return getattr(sys.modules.get("torchax.tensor"), "Tensor", None)
+
+
+def to_jax(tree):
+  """`tree` with each torchax tensor replaced by its JAX array; other leaves unchanged.
+
+  Example:
+    >>> to_jax({"n": 1})
+    {'n': 1}
+  """
+  jax = runtime.jax_module()
+  tensor = torchax_tensor_type()
+  return jax.tree.map(lambda t: t._elem if tensor is not None and isinstance(t, tensor) else t,
+                      tree, is_leaf=lambda t: isinstance(t, torch.Tensor))
+
+
+def to_torchax(tree):
+  """`tree` with each JAX array wrapped as a torchax tensor of the bridge environment.
+
+  Example:
+    >>> to_torchax((runtime.jax_module().numpy.ones(2),))[0].shape
+    torch.Size([2])
+  """
+  jax = runtime.jax_module()
+  env = environment()
+  import torchax.tensor
+
+  return jax.tree.map(
+      lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):

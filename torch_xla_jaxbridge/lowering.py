@@ -12,8 +12,6 @@ import threading
 import types
 import weakref
 
-import torch
-
 from torch_xla_jaxbridge import errors, runtime
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,6 @@ import dataclasses
 import functools
 import warnings
 
-import torch
-
 from torch_xla_jaxbridge import errors, runtime
 
 MINIMAL_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
@@ -31,20 +29,15 @@ def checkpoint_name(tensor, name):
   """
   if not isinstance(name, str) or not name:
     raise errors.BadArgumentError(f"name: expected a non-empty string, got {name!r}.")
-  torchax_tensor = _torchax_tensor_type()
+  from torch_xla_jaxbridge import convert
+
+  torchax_tensor = convert.torchax_tensor_type()
   if torchax_tensor is not None and isinstance(tensor, torchax_tensor):
     runtime.jax_module()
     from jax.ad_checkpoint import checkpoint_name as jax_checkpoint_name
 
     return torchax_tensor(jax_checkpoint_name(tensor._elem, name), tensor._env)
   return tensor
-
-
-def _torchax_tensor_type():
-  import sys
-
-  module = sys.modules.get("torchax.tensor")
-  return getattr(module, "Tensor", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,20 +197,19 @@ class torch_checkpoint_as_jax:
 def _jax_checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism_check=None,
                     debug=None, preserve_rng_state=True, early_stop=True, **kwargs):
   """torch's checkpoint signature; recomputes `function` in the backward via `jax.checkpoint`."""
+  from torch_xla_jaxbridge import convert
+
   jax = runtime.jax_module()
-  torchax_tensor = _torchax_tensor_type()
+  torchax_tensor = convert.torchax_tensor_type()
   leaves, treedef = jax.tree.flatten((args, kwargs))
   positions = [i for i, x in enumerate(leaves) if isinstance(x, torchax_tensor)]
-  env = leaves[positions[0]]._env if positions else None
 
   def recomputed(*arrays):
     full = list(leaves)
-    for i, a in zip(positions, arrays):
-      full[i] = torchax_tensor(a, env)
+    for i, a in zip(positions, convert.to_torchax(arrays)):
+      full[i] = a
     call_args, call_kwargs = treedef.unflatten(full)
-    out = function(*call_args, **call_kwargs)
-    return jax.tree.map(lambda t: t._elem if isinstance(t, torchax_tensor) else t, out,
-                        is_leaf=lambda t: isinstance(t, torch.Tensor))
+    return convert.to_jax(function(*call_args, **call_kwargs))
 
   out = jax.checkpoint(recomputed)(*[leaves[i]._elem for i in positions])
-  return jax.tree.map(lambda a: torchax_tensor(a, env) if isinstance(a, jax.Array) else a, out)
+  return convert.to_torchax(out)

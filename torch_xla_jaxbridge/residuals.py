@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from torch_xla_jaxbridge import convert, dtypes, errors, runtime
+from torch_xla_jaxbridge import call, convert, dtypes, runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ def _abstract_call(fn, args, kwargs, remat):
     if remat is None and bridged is not None:
       target.policy, target.offloads = bridged.policy, bridged.offloads
     call_args = (args, kwargs)
-  autograd._ensure_registered()
+  autograd._register_static_pytree()
   with_path, treedef = jax.tree_util.tree_flatten_with_path(call_args)
   markers, diff, other, diff_paths, other_paths = [], [], [], [], []
   for path, leaf in with_path:
@@ -194,7 +194,7 @@ def _path_name(path, is_module):
     if group in ("param", "buffer"):
       return f"{group} {rest[0].key}"
     return group + jax.tree_util.keystr(rest)
-  return ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+  return call.path_name(path)
 
 
 def _site(eqn, var):

@@ -102,14 +102,8 @@ def _stacked(layers):
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):
   """The bridged torch function: runs under torchax, with stacked torchax tensors."""
   jax = runtime.jax_module()
-  import torchax.tensor
-
   env = convert.environment()
-  unwrap = lambda tree: jax.tree.map(  # noqa: E731
-      lambda t: t._elem if isinstance(t, torchax.tensor.Tensor) else t, tree,
-      is_leaf=lambda t: isinstance(t, torch.Tensor))
-  wrap = lambda tree: jax.tree.map(  # noqa: E731
-      lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
+  unwrap, wrap = convert.to_jax, convert.to_torchax
   keys = jax.random.split(env.get_and_rotate_prng_key(), count)
 
   def body(carry, xs):

@@ -35,7 +35,10 @@ def test_defaults_model_file_and_overrides():
                                             r"of decoder_layer_input, query_proj, key_proj"),
     ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of llama-3-8b, llama-tiny, "
                     r"mixtral-8x7b, mixtral-tiny"),
-    ("mesh.fsdp=4", r"SPMD sharding of the recipe is not available yet"),
+    ("mesh.fsdp=4", r"mesh.fsdp \* mesh.tensor = 4 \* 1 = 4 devices, but this process sees 1\. "
+                    r"Make the product equal the device count \(on CPU, start the process with "
+                    r"CPU_NUM_DEVICES=4"),
+    ("mesh.tensor=0", r"mesh.tensor: must be at least 1, got 0"),
     ("steps", r"override 'steps': expected key=value"),
 ])
 def test_bad_config_names_the_key_and_the_choices(override, message):

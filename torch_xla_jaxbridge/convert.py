@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from torch_xla_jaxbridge import control_flow, errors, remat, runtime
+from torch_xla_jaxbridge import control_flow, errors, remat, runtime, spmd
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
@@ -147,7 +147,8 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   prng = _key(jax, key_data) if key_data is not None else None
   try:
     with (env.override_property(prng=prng) if prng is not None else contextlib.nullcontext(), env,
-          remat.torch_checkpoint_as_jax(), control_flow.operators_direct()):
+          remat.torch_checkpoint_as_jax(), control_flow.operators_direct(),
+          spmd.mark_sharding_traced()):
       outputs = fn(*t_args, **(t_kwargs or {}))
       drew_random = prng is not None and env.param.prng is not prng  # the key was split
   except errors.BridgeError:

@@ -108,11 +108,30 @@ def check(cfg):
   for key in ("batch", "seq", "steps"):
     if train[key] < 1:
       raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")
-  if mesh["fsdp"] != 1 or mesh["tensor"] != 1:
-    raise ConfigError("mesh.fsdp / mesh.tensor: SPMD sharding of the recipe is not available "
-                      "yet; valid value: 1.")
+  _check_mesh(mesh, train)
   if model["dim"] % model["heads"] or model["heads"] % model["kv_heads"]:
     raise ConfigError("model.dim must divide by model.heads, and model.heads by model.kv_heads.")
+
+
+def _check_mesh(mesh, train):
+  """A mesh over more than one device must match the device count and divide the batch."""
+  for key in ("fsdp", "tensor"):
+    if mesh[key] < 1:
+      raise ConfigError(f"mesh.{key}: must be at least 1, got {mesh[key]}.")
+  size = mesh["fsdp"] * mesh["tensor"]
+  if size == 1:
+    return
+  import torch_xla.runtime as xr
+
+  count = xr.global_runtime_device_count()
+  if size != count:
+    raise ConfigError(
+        f"mesh.fsdp * mesh.tensor = {mesh['fsdp']} * {mesh['tensor']} = {size} devices, but this "
+        f"process sees {count}. Make the product equal the device count (on CPU, start the process "
+        f"with CPU_NUM_DEVICES={size} XLA_FLAGS=--xla_force_host_platform_device_count={size}).")
+  if train["batch"] % mesh["fsdp"]:
+    raise ConfigError(f"train.batch: {train['batch']} does not divide over mesh.fsdp="
+                      f"{mesh['fsdp']}; use a multiple of {mesh['fsdp']}.")
 
 
 def _choice(key, value, valid):

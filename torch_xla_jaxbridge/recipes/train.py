@@ -1,6 +1,7 @@
 """The recipe's `train` entry point: `python -m torch_xla_jaxbridge.recipes.train [key=value ...]`.
 
-Builds the configured model on `torch_xla.device()`, bridges or scans its decoder layers with the
+Builds the configured model on `torch_xla.device()` (with `mesh.fsdp * mesh.tensor > 1`: SPMD,
+parameters and batches sharded over the mesh), bridges or scans its decoder layers with the
 configured remat policy, trains with AdamW, one `torch_xla.sync()` per step; prints a progress
 line per step, writes per-step metrics and a summary, saves checkpoints and resumes from them.
 """
@@ -14,7 +15,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from torch_xla_jaxbridge.recipes import config, data, llama
+from torch_xla_jaxbridge.recipes import config, data, llama, sharding
 
 
 def prepare(cfg, device):
@@ -25,6 +26,9 @@ def prepare(cfg, device):
   """
   torch.manual_seed(cfg["train"]["seed"])
   model = llama.build(cfg["model"]).to(device)
+  mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
+  if mesh is not None:
+    sharding.shard_model(model, mesh)
   remat = config.remat_setting(cfg)
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
@@ -63,6 +67,7 @@ def train(cfg, *, log=print):
   Example:
     >>> losses = train(config.load(["train.steps=2"]), log=lambda line: None)
   """
+  mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))  # SPMD before any tensor is placed
   device = torch_xla.device()
   out = pathlib.Path(cfg["out"])
   out.mkdir(parents=True, exist_ok=True)
@@ -81,8 +86,11 @@ def train(cfg, *, log=print):
       began = time.perf_counter()
       inputs, targets = data.batch(step, batch=t["batch"], seq=t["seq"], seed=t["seed"],
                                    source=t["data"], vocab=cfg["model"]["vocab"])
-      logits = model(inputs.to(device))
-      loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten())
+      inputs, targets = inputs.to(device), targets.to(device)
+      if mesh is not None:
+        inputs, targets = sharding.shard_batch(inputs, mesh), sharding.shard_batch(targets, mesh)
+      logits = model(inputs)
+      loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
       loss.backward()
       optimizer.step()
       optimizer.zero_grad()
@@ -99,7 +107,7 @@ def train(cfg, *, log=print):
       every = t["checkpoint_every"]
       if every and (step + 1) % every == 0:
         _save(out / "checkpoints" / f"step_{step + 1:06d}.pt", model, optimizer, step + 1)
-  _summary(cfg, out, losses, compiles_before, log)
+  _summary(cfg, out, losses, compiles_before, log, model if mesh is not None else None)
   return losses
 
 
@@ -111,7 +119,7 @@ def _progress(row, steps):
           f"trace {row['trace_ms']:6.1f} ms")
 
 
-def _summary(cfg, out, losses, compiles_before, log):
+def _summary(cfg, out, losses, compiles_before, log, sharded_model=None):
   m = cfg["model"]
   layer = llama.DecoderLayer(m["dim"], m["heads"], m["kv_heads"], m["hidden"], m["experts"],
                              m["experts_per_token"])
@@ -126,6 +134,9 @@ def _summary(cfg, out, losses, compiles_before, log):
       "residual_bytes_per_layer": residuals.total_bytes,
       "residual_host_bytes_per_layer": residuals.host_bytes,
   }
+  if sharded_model is not None:  # each parameter's sharding as it left the last step
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    summary["param_shardings"] = {n: spec(p) for n, p in sharded_model.named_parameters()}
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
   log(f"done: {summary['steps_run']} steps, loss {summary['first_loss']} -> "
       f"{summary['last_loss']}, {summary['compiles']} compiles, {summary['traces']} traces, "

@@ -1,0 +1,101 @@
+"""The recipe's SPMD layout: a `(fsdp, tensor)` device mesh, parameters sharded FSDP-style (the
+largest divisible dimension over `fsdp`; with `tensor > 1` the projections also Megatron-style
+over `tensor`), and each batch split over `fsdp`.
+
+All of it is plain torch_xla SPMD (`xs.Mesh`, `xs.mark_sharding`) on the model's XLA tensors; the
+bridged layers need nothing more: the shardings flow through their calls.
+"""
+import functools
+
+import numpy as np
+
+# Megatron-style placement over the `tensor` axis, by the parameter's last name parts:
+# column-parallel projections split their output features (dim 0), row-parallel their input (dim 1).
+_TENSOR_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
+               "lm_head": 0, "o_proj": 1, "down_proj": 1, "embed": 1}
+
+
+def mesh_shape(cfg):
+  """`(fsdp, tensor)` from the config's `mesh` section.
+
+  Example:
+    >>> from torch_xla_jaxbridge.recipes import config
+    >>> mesh_shape(config.load())
+    (1, 1)
+  """
+  return cfg["mesh"]["fsdp"], cfg["mesh"]["tensor"]
+
+
+@functools.cache
+def make_mesh(fsdp, tensor):
+  """Enables SPMD (once per process, irreversible) and returns the `("fsdp", "tensor")` mesh over
+  every device; None for a `(1, 1)` mesh, which runs without SPMD.
+
+  Example:
+    >>> make_mesh(1, 1) is None
+    True
+  """
+  if fsdp * tensor == 1:
+    return None
+  import torch_xla.distributed.spmd as xs
+  import torch_xla.runtime as xr
+
+  count = xr.global_runtime_device_count()
+  if count != fsdp * tensor:  # config.check says this first; kept for direct callers
+    raise ValueError(f"mesh ({fsdp}, {tensor}) needs {fsdp * tensor} devices; there are {count}.")
+  if not xr.is_spmd():
+    xr.use_spmd()
+  return xs.Mesh(np.arange(count), (fsdp, tensor), ("fsdp", "tensor"))
+
+
+def param_spec(name, shape, fsdp, tensor):
+  """The partition spec of parameter `name`: Megatron-style over `tensor` for the projections,
+  then the largest remaining dimension that `fsdp` divides over `fsdp` (None: replicated).
+
+  Example:
+    >>> param_spec("layers.0.attn.q_proj.weight", (64, 64), 4, 1)
+    ('fsdp', None)
+    >>> param_spec("layers.0.attn.o_proj.weight", (64, 64), 2, 2)
+    ('fsdp', 'tensor')
+    >>> param_spec("norm.weight", (6,), 4, 1)
+    (None,)
+  """
+  spec = [None] * len(shape)
+  parts = name.split(".")
+  owner = parts[-2] if len(parts) > 1 else parts[0]
+  dim = _TENSOR_DIM.get(owner)
+  if tensor > 1 and dim is not None and dim < len(shape) and shape[dim] % tensor == 0:
+    spec[dim] = "tensor"
+  free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
+  if fsdp > 1 and free:
+    spec[max(free, key=lambda d: (shape[d], -d))] = "fsdp"
+  return tuple(spec)
+
+
+def shard_model(model, mesh):
+  """Marks every parameter of `model` (on the XLA device) with its `param_spec`; returns the
+  specs by name.
+
+  Example:
+    >>> specs = shard_model(model, make_mesh(4, 1))  # doctest: +SKIP
+  """
+  import torch_xla.distributed.spmd as xs
+
+  fsdp, tensor = mesh.mesh_shape
+  specs = {}
+  for name, param in model.named_parameters():
+    specs[name] = param_spec(name, tuple(param.shape), fsdp, tensor)
+    xs.mark_sharding(param, mesh, specs[name])
+  return specs
+
+
+def shard_batch(tensor, mesh):
+  """Splits a `(batch, ...)` tensor's batch over `fsdp` (replicated over `tensor`); returns it.
+
+  Example:
+    >>> tokens = shard_batch(tokens.to("xla"), make_mesh(4, 1))  # doctest: +SKIP
+  """
+  import torch_xla.distributed.spmd as xs
+
+  xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+  return tensor

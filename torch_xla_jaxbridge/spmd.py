@@ -1,0 +1,266 @@
+"""SPMD (GSPMD) sharding inside bridged code.
+
+Bridged computations need nothing special to run on sharded tensors: each is one call in the
+torch_xla graph, XLA inlines it before sharding propagation, and the input shardings flow through
+it to the outputs. What needs this module is a sharding asked for *inside* bridged code:
+`xs.mark_sharding(t, mesh, spec)` on a traced tensor, or `with_sharding_constraint` in a JAX
+function given to `call_jax`. Both become a sharding constraint (an HLO `Sharding` custom call)
+in the lowered computation, built from the torch_xla mesh's own device ids: no JAX devices or JAX
+mesh are needed, so it works where torch_xla owns the chips.
+"""
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+import threading
+
+import torch
+
+from torch_xla_jaxbridge import errors, runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """An HLO tile sharding: tiles per tensor dimension, the device id of each tile (row-major),
+  and whether a last tile dimension replicates over the remaining devices."""
+  dims: tuple
+  devices: tuple
+  replicate_last: bool
+
+  def op_sharding(self):
+    """The `xla_client.OpSharding` JAX's lowering attaches to the constraint."""
+    from jax._src.lib import xla_client as xc
+
+    op = xc.OpSharding()
+    if all(d == 1 for d in self.dims):
+      op.type = xc.OpSharding.Type.REPLICATED
+      return op
+    op.type = xc.OpSharding.Type.OTHER
+    op.tile_assignment_dimensions = list(self.dims)
+    op.tile_assignment_devices = list(self.devices)
+    op.replicate_on_last_tile_dim = self.replicate_last
+    return op
+
+  def insert_dim(self, position):
+    """The same sharding for a tensor with one more, unsharded, dimension at `position`."""
+    dims = list(self.dims)
+    dims.insert(position, 1)
+    return Tiles(tuple(dims), self.devices, self.replicate_last)
+
+  def __str__(self):  # HLO's notation, for messages
+    if all(d == 1 for d in self.dims):
+      return "{replicated}"
+    tail = " last_tile_dim_replicate" if self.replicate_last else ""
+    dims = ",".join(map(str, self.dims))
+    return f"{{devices=[{dims}]{','.join(map(str, self.devices))}{tail}}}"
+
+
+def tiles(mesh, partition_spec, shape, *, where="with_sharding_constraint"):
+  """The `Tiles` that `xs.mark_sharding(t, mesh, partition_spec)` gives a tensor of `shape`.
+
+  Checks what torch_xla would assert on (or abort for) with a message that says what to do: the
+  spec's length, unknown or repeated mesh axes, a mesh whose size is not the device count, SPMD
+  not enabled.
+
+  Example:
+    >>> import numpy as np, torch_xla.distributed.spmd as xs
+    >>> mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))  # needs 4 devices and use_spmd()
+    >>> str(tiles(mesh, ("data", None), (8, 6)))
+    '{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}'
+  """
+  import torch_xla.runtime as xr
+
+  if not xr.is_spmd():
+    raise errors.BadArgumentError(
+        f"{where}: SPMD is not enabled. Call torch_xla.runtime.use_spmd() at the start of the "
+        f"program, before any tensor is moved to the XLA device.")
+  count = xr.global_runtime_device_count()
+  if mesh.size() != count:
+    raise errors.BadArgumentError(
+        f"{where}: the mesh has {mesh.size()} devices (shape {tuple(mesh.mesh_shape)}) but the "
+        f"program runs on {count}. Build the mesh over every device, e.g. xs.Mesh(np.arange("
+        f"{count}), ({count},), ('fsdp',)).")
+  spec = tuple(partition_spec)
+  if len(spec) != len(shape):
+    raise errors.BadArgumentError(
+        f"{where}: partition spec {spec} has {len(spec)} entries for a tensor of shape "
+        f"{tuple(shape)}; give one entry (a mesh axis, a tuple of axes, or None) per dimension.")
+  names = tuple(mesh.axis_names or ())
+  per_dim = []
+  for entry in spec:
+    axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    per_dim.append(tuple(_axis_index(mesh, names, a, spec, where) for a in axes))
+  used = [a for axes in per_dim for a in axes]
+  if len(used) != len(set(used)):
+    raise errors.BadArgumentError(
+        f"{where}: partition spec {spec} names a mesh axis more than once; each axis can shard "
+        f"at most one dimension.")
+  mesh_shape = tuple(mesh.mesh_shape)
+  if not used:
+    return Tiles((1,) * len(spec), (), False)
+  rest = [a for a in range(len(mesh_shape)) if a not in used]
+  logical = mesh.get_logical_mesh().transpose(used + rest)
+  dims = tuple(math.prod(mesh_shape[a] for a in axes) for axes in per_dim)
+  replicated = math.prod(mesh_shape[a] for a in rest)
+  if replicated > 1:
+    dims += (replicated,)
+  return Tiles(dims, tuple(int(d) for d in logical.reshape(-1)), replicated > 1)
+
+
+def _axis_index(mesh, names, axis, spec, where):
+  if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(mesh.mesh_shape):
+    return axis
+  if isinstance(axis, str) and axis in names:
+    return names.index(axis)
+  raise errors.BadArgumentError(
+      f"{where}: partition spec {spec} names mesh axis {axis!r}, which the mesh does not have; "
+      f"its axes are {names or tuple(range(len(mesh.mesh_shape)))}.")
+
+
+@functools.cache
+def _primitive():
+  """The constraint as a JAX primitive: identity on values, an HLO `Sharding` custom call when
+  lowered; its transpose constrains the cotangent the same way (as `with_sharding_constraint`)."""
+  runtime.jax_module()
+  from jax.extend.core import Primitive
+  from jax.interpreters import ad, batching
+  from jax._src.interpreters import mlir
+
+  constraint = Primitive("jaxbridge_sharding_constraint")
+  constraint.def_impl(lambda x, *, tiles: x)
+  constraint.def_abstract_eval(lambda x, *, tiles: x)
+  ad.deflinear2(constraint, lambda ct, x, *, tiles: [constraint.bind(ct, tiles=tiles)])
+
+  def batched(args, dims, *, tiles):
+    (x,), (dim,) = args, dims
+    if dim is batching.not_mapped:
+      return constraint.bind(x, tiles=tiles), dim
+    return constraint.bind(x, tiles=tiles.insert_dim(dim)), dim
+
+  batching.primitive_batchers[constraint] = batched
+
+  def lower(ctx, x, *, tiles):
+    # GSPMD form (mhlo.sharding) whatever the partitioner flag: torch_xla partitions with GSPMD
+    return [mlir._wrap_with_spmd_op("Sharding", ctx, x, ctx.avals_out[0], tiles.op_sharding())]
+
+  mlir.register_lowering(constraint, lower)
+  return constraint
+
+
+def with_sharding_constraint(x, mesh, partition_spec):
+  """Constrains `x` to be sharded as `partition_spec` over the torch_xla `mesh`.
+
+  Inside a JAX function given to `call_jax` (`x` a JAX array) or inside bridged torch code (`x`
+  a tensor being traced), it adds a sharding constraint to the lowered computation; its gradient
+  is constrained the same way. On a plain XLA tensor it is `xs.mark_sharding`. Inside bridged code
+  `xs.mark_sharding(t, mesh, spec)` does this for you.
+
+  Args:
+    x: a JAX array, a traced torch tensor, or an XLA tensor.
+    mesh: a `torch_xla.distributed.spmd.Mesh` over every device.
+    partition_spec: one entry per dimension of `x`: a mesh axis name or index, a tuple of them,
+      or None (replicated).
+
+  Returns:
+    `x`, constrained (a new array or tensor inside traced code; `x` itself otherwise).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np, torch, torch_xla.distributed.spmd as xs
+    >>> import torch_xla_jaxbridge as jb
+    >>> mesh = xs.Mesh(np.arange(4), (4,), ("fsdp",))  # with 4 devices, after use_spmd()
+    >>> def f(a):
+    ...   return jb.spmd.with_sharding_constraint(jnp.sin(a), mesh, ("fsdp", None)) * 2
+    >>> out = jb.call_jax(f, (torch.ones(8, 8, device="xla"),))
+  """
+  jax = runtime.jax_module()
+  from torch_xla_jaxbridge import convert
+
+  tensor_type = convert.torchax_tensor_type()
+  if tensor_type is not None and isinstance(x, tensor_type):
+    return tensor_type(_constrain(jax, x._elem, mesh, partition_spec), x._env)
+  if isinstance(x, torch.Tensor):
+    import torch_xla.distributed.spmd as xs
+
+    tiles(mesh, partition_spec, x.shape, where="with_sharding_constraint")  # our checks first
+    _ORIGINALS.get("mark_sharding", xs.mark_sharding)(x, mesh, tuple(partition_spec))
+    return x
+  return _constrain(jax, x, mesh, partition_spec)
+
+
+def _constrain(jax, array, mesh, partition_spec, where="with_sharding_constraint"):
+  found = tiles(mesh, partition_spec, jax.numpy.shape(array), where=where)
+  return _primitive().bind(array, tiles=found)
+
+
+# --- xs.mark_sharding on traced tensors -------------------------------------------------------
+
+_ORIGINALS = {}
+_HOOK_DEPTH = [0]
+_HOOK_LOCK = threading.Lock()
+_MODULES = ("torch_xla.distributed.spmd.xla_sharding", "torch_xla.distributed.spmd")
+
+
+def _mark_sharding(t, mesh, partition_spec, *args, **kwargs):
+  from torch_xla_jaxbridge import convert
+
+  tensor_type = convert.torchax_tensor_type()
+  if tensor_type is None or not isinstance(t, tensor_type):
+    return _ORIGINALS["mark_sharding"](t, mesh, partition_spec, *args, **kwargs)
+  # in place, as on an XLA tensor: later code that reads `t` sees the constrained value
+  t._elem = _constrain(runtime.jax_module(), t._elem, mesh, partition_spec,
+                       where="xs.mark_sharding in bridged code")
+  return t
+
+
+def _mark_sharding_with_gradients(t, mesh, partition_spec):
+  from torch_xla_jaxbridge import convert
+
+  tensor_type = convert.torchax_tensor_type()
+  if tensor_type is None or not isinstance(t, tensor_type):
+    return _ORIGINALS["mark_sharding_with_gradients"](t, mesh, partition_spec)
+  constrained = _constrain(runtime.jax_module(), t._elem, mesh, partition_spec,
+                           where="xs.mark_sharding_with_gradients in bridged code")
+  return tensor_type(constrained, t._env)
+
+
+_HOOKS = {"mark_sharding": _mark_sharding,
+          "mark_sharding_with_gradients": _mark_sharding_with_gradients}
+
+
+@contextlib.contextmanager
+def mark_sharding_traced():
+  """While bridged torch code is traced, `xs.mark_sharding` and `xs.mark_sharding_with_gradients`
+  on its tensors add sharding constraints (torch_xla's own versions need JAX devices that match
+  its device ids); calls on XLA tensors go to torch_xla unchanged. A no-op when torch_xla's SPMD
+  module was never imported.
+
+  Example:
+    >>> with mark_sharding_traced():
+    ...   pass
+  """
+  if _MODULES[0] not in sys.modules:
+    yield
+    return
+  with _HOOK_LOCK:
+    if _HOOK_DEPTH[0] == 0:
+      module = sys.modules[_MODULES[0]]
+      for name in _HOOKS:
+        _ORIGINALS[name] = getattr(module, name)
+      for module_name in _MODULES:
+        module = sys.modules.get(module_name)
+        for name, hook in _HOOKS.items():
+          if module is not None and getattr(module, name, None) is _ORIGINALS[name]:
+            setattr(module, name, hook)
+    _HOOK_DEPTH[0] += 1
+  try:
+    yield
+  finally:
+    with _HOOK_LOCK:
+      _HOOK_DEPTH[0] -= 1
+      if _HOOK_DEPTH[0] == 0:
+        for module_name in _MODULES:
+          module = sys.modules.get(module_name)
+          for name, hook in _HOOKS.items():
+            if module is not None and getattr(module, name, None) is hook:
+              setattr(module, name, _ORIGINALS[name])

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime
+from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime, spmd
 from torch_xla_jaxbridge import remat as remat_policies
 
 _DIFF, _OTHER = "<diff tensor>", "<tensor>"
@@ -163,6 +163,7 @@ class _VjpFunction(torch.autograd.Function):
         bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
     ctx.saved = saved
     ctx.name = bridged.name
+    ctx.shardings = spmd.shardings_of(diff)
     holder.append((layout, others, mutated))
     return tuple(floats)
 
@@ -178,6 +179,7 @@ class _VjpFunction(torch.autograd.Function):
           f"on the data; JAX's while loop is forward-only. Use jb.fori_loop(lower, upper, body, "
           f"init) when the count is known, run the loop under torch.no_grad(), or detach its "
           f"inputs.") from e
+    spmd.shard_like(grads, ctx.shardings)  # a gradient is sharded as its input, not left to chance
     return (None, None, None, None, None, *grads)
 
 

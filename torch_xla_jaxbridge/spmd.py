@@ -193,6 +193,45 @@ def _constrain(jax, array, mesh, partition_spec, where="with_sharding_constraint
   return _primitive().bind(array, tiles=found)
 
 
+# --- gradients sharded as their inputs ----------------------------------------------------------
+
+
+def shardings_of(tensors):
+  """Each XLA tensor's torch_xla `OpSharding` (None where it has none), or None when SPMD is off
+  or no tensor is sharded: what `shard_like` gives the gradients.
+
+  Example:
+    >>> shardings_of([torch.ones(2, device="xla")]) is None  # without SPMD
+    True
+  """
+  import torch_xla
+  import torch_xla.runtime as xr
+
+  if not xr.is_spmd():
+    return None
+  get = torch_xla._XLAC._get_xla_op_sharding
+  found = tuple(get(t) for t in tensors)
+  return found if any(s is not None for s in found) else None
+
+
+def shard_like(tensors, shardings):
+  """Annotates each XLA tensor with the matching sharding from `shardings_of` (in place).
+
+  Sharding propagation alone may leave the gradient of a sharded parameter replicated (a norm
+  weight's gradient is a sum over the batch); FSDP wants it sharded as the parameter.
+
+  Example:
+    >>> shard_like([torch.ones(2, device="xla")], None)  # no shardings: nothing to do
+  """
+  if shardings is None:
+    return
+  import torch_xla
+
+  for tensor, sharding in zip(tensors, shardings):
+    if sharding is not None and tensor is not None:
+      torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
+
+
 # --- xs.mark_sharding on traced tensors -------------------------------------------------------
 
 _ORIGINALS = {}

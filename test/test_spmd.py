@@ -1,0 +1,159 @@
+"""SPMD: bridged code on sharded tensors over 4 virtual CPU devices, against eager CPU PyTorch and
+the 1-device recipe run; output and gradient shardings; constraints in the lowered HLO; errors.
+
+SPMD is process-global and irreversible, so the 4-device checks run once, in one subprocess
+(test/spmd_check.py, which prints its facts as JSON); each test asserts on its part.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_xla_jaxbridge as jb
+from torch_xla_jaxbridge import errors, spmd
+from torch_xla_jaxbridge.recipes import config, sharding, train
+
+HERE = pathlib.Path(__file__).parent
+TOL = 1e-4
+FSDP_ROW, FSDP_COL = "{devices=[4,1]0,1,2,3}", "{devices=[1,4]0,1,2,3}"
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory):
+  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=4").strip())
+  out = tmp_path_factory.mktemp("spmd")
+  run = subprocess.run([sys.executable, str(HERE / "spmd_check.py"), str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-4000:]
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def part(facts, name):
+  found = facts[name]
+  assert "error" not in found, found.get("error")
+  return found
+
+
+def test_four_devices(facts):
+  assert facts["devices"] == 4
+
+
+def test_call_jax_on_a_sharded_input_keeps_its_sharding(facts):
+  found = part(facts, "call_jax")
+  assert found["rel_err"] < TOL
+  # an IR output has no sharding until the step runs; then it has the propagated one
+  assert found["spec_before_sync"] == "" and found["spec"] == FSDP_ROW
+
+
+@pytest.mark.parametrize("name", ["mlp_dp", "mlp_fsdp", "decoder_dp", "decoder_fsdp"])
+def test_bridged_module_matches_eager_cpu(facts, name):
+  found = part(facts, name)
+  assert found["loss"] == pytest.approx(found["ref_loss"], rel=TOL)
+  assert found["out_rel_err"] < TOL
+  assert len(found["grads"]) >= 4
+  for param, (err, _, _) in found["grads"].items():
+    assert err < TOL, param
+
+
+@pytest.mark.parametrize("name", ["mlp_dp", "decoder_dp"])
+def test_data_parallel_output_is_split_over_the_batch(facts, name):
+  found = part(facts, name)
+  assert found["out_spec"].startswith("{devices=[4,1")
+  assert all(grad == "{replicated}" for _, _, grad in found["grads"].values())
+
+
+@pytest.mark.parametrize("name", ["mlp_fsdp", "decoder_fsdp"])
+def test_fsdp_gradients_are_sharded_as_their_parameters(facts, name):
+  found = part(facts, name)
+  assert found["out_spec"] not in ("", "{replicated}")
+  for param, (_, param_spec, grad_spec) in found["grads"].items():
+    assert "fsdp" in found["specs"][param], param  # every parameter of these models divides
+    assert param_spec in (FSDP_ROW, FSDP_COL, "{devices=[4]0,1,2,3}"), param
+    assert grad_spec == param_spec, param
+
+
+def test_scan_layers_on_sharded_layers(facts):
+  found = part(facts, "scan")
+  assert found["out_rel_err"] < TOL and found["max_grad_rel_err"] < TOL
+  assert found["out_spec"] == FSDP_ROW
+
+
+def test_mark_sharding_in_bridged_code_is_a_constraint_in_the_hlo(facts):
+  found = part(facts, "constraints")
+  # the mesh's device ids [3, 2, 1, 0], as torch_xla's own mark_sharding gives them
+  assert found["torch_xla_spec"] == "{devices=[4,1]3,2,1,0}"
+  assert found["bridge_hlo"] == [found["torch_xla_spec"]]
+  assert found["bridge_out_spec"] == found["torch_xla_spec"]
+  # the gradient is constrained too (JAX's transpose of the constraint)
+  assert found["torch_xla_spec"] in found["bridge_grad_hlo"]
+  assert found["bridge_grad_spec"] == found["torch_xla_spec"]
+  assert found["bridge_rel_err"] < TOL
+
+
+def test_with_sharding_constraint_in_a_jax_function(facts):
+  found = part(facts, "constraints")
+  # (None, "model") on a (data=2, model=2) mesh: split over model, replicated over data
+  partial = "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+  assert found["jax_hlo"] == [partial] and found["jax_out_spec"] == partial
+  assert found["jax_rel_err"] < TOL
+
+
+@pytest.mark.parametrize("case, message", [
+    ("mesh_too_small", r"Number of device IDs \(2\) must match the global number of devices \(4\)"),
+    ("spec_too_short", r"BadArgumentError: xs.mark_sharding in bridged code: partition spec "
+                       r"\('d',\) has 1 entries for a tensor of shape \(8, 8\)"),
+    ("unknown_axis", r"BadArgumentError: .* names mesh axis 'model', which the mesh does not "
+                     r"have; its axes are \('d',\)"),
+    ("odd_batch", r"train.batch: 6 does not divide over mesh.fsdp=4; use a multiple of 4"),
+])
+def test_bad_input_is_a_clear_error(facts, case, message):
+  import re
+
+  found = part(facts, "bad_input")
+  assert found[case] is not None and re.search(message, found[case]), found[case]
+
+
+def test_recipe_fsdp4_matches_the_one_device_run(facts, tmp_path):
+  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
+                                        f"out={tmp_path}"]), log=lambda line: None)
+  found = part(facts, "recipe")
+  assert found["losses"] == pytest.approx(one_device, rel=TOL)
+  assert one_device[2] < one_device[0]
+  shardings = found["param_shardings"]
+  assert len(shardings) == 39
+  assert all(s != "{replicated}" for s in shardings.values())  # every llama-tiny dim divides by 4
+
+
+def test_constraint_without_spmd_says_to_enable_it():
+  import numpy as np
+  import torch_xla.distributed.spmd as xs
+
+  mesh = xs.Mesh(np.arange(1), (1,), ("d",))
+  with pytest.raises(errors.BadArgumentError, match=r"SPMD is not enabled. Call "
+                                                    r"torch_xla.runtime.use_spmd\(\)"):
+    jb.bridge(lambda x: xs.mark_sharding(x * 1, mesh, ("d",)))(torch.ones(2, device="xla"))
+
+
+@pytest.mark.parametrize("name, shape, mesh, expected", [
+    ("layers.0.attn.q_proj.weight", (64, 32), (4, 1), ("fsdp", None)),
+    ("layers.0.mlp.down_proj.weight", (64, 192), (4, 1), (None, "fsdp")),
+    ("layers.0.attn.q_proj.weight", (64, 32), (2, 2), ("tensor", "fsdp")),
+    ("layers.0.attn.o_proj.weight", (64, 64), (2, 2), ("fsdp", "tensor")),
+    ("norm.weight", (6,), (4, 1), (None,)),
+    ("embed.weight", (256, 64), (1, 4), (None, "tensor")),
+])
+def test_param_spec(name, shape, mesh, expected):
+  assert sharding.param_spec(name, shape, *mesh) == expected
+
+
+def test_tiles_match_torch_xla_notation():
+  tiles = spmd.Tiles((2, 1, 2), (0, 1, 2, 3), True)
+  assert str(tiles) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
+  assert tiles.insert_dim(0).dims == (1, 2, 1, 2)
+  assert str(spmd.Tiles((1, 1), (), False)) == "{replicated}"

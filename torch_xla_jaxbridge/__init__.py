@@ -14,11 +14,13 @@ import torch_xla  # noqa: E402  (registers the 'xla' device)
 # its per-device queues (a CPU backward before any XLA device exists breaks later XLA backwards).
 torch_xla._XLAC._init_computation_client()
 
+from torch_xla_jaxbridge import compile as _compile  # noqa: E402
 from torch_xla_jaxbridge import dlpack, errors  # noqa: E402
 from torch_xla_jaxbridge.autograd import (BridgeModule, PureModule, assume_pure,  # noqa: E402
                                            bridge)
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402
 from torch_xla_jaxbridge.control_flow import fori_loop  # noqa: E402
+from torch_xla_jaxbridge.custom_op import jax_op  # noqa: E402
 from torch_xla_jaxbridge.jaxify import jaxify  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
@@ -27,4 +29,7 @@ from torch_xla_jaxbridge.scan import scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
-           "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify"]
+           "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
+           "jax_op"]
+
+_compile.register()

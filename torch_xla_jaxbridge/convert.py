@@ -62,8 +62,24 @@ def environment():
         torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
     env.override_op_definition(op, _batch_norm)
+  for op, impl in _OP_OVERRIDES.items():
+    env.override_op_definition(op, impl)
   control_flow.install()
   return env
+
+
+_OP_OVERRIDES = {}
+
+
+def override_op(op, impl):
+  """Makes bridged code run `impl` (on torchax tensors) for the torch op `op`.
+
+  Example:
+    >>> override_op(torch.ops.aten.relu.default, lambda x: x.clamp(min=0))
+  """
+  _OP_OVERRIDES[op] = impl
+  if environment.cache_info().currsize:
+    environment().override_op_definition(op, impl)
 
 
 def torchax_tensor_type():

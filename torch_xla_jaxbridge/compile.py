@@ -1,0 +1,83 @@
+"""The `jaxbridge` torch.compile backend: each captured FX graph runs as one bridged JAX call.
+
+Dynamo hands the backend a graph of torch ops; the graph is bridged (`BridgeModule`): torchax
+traces it into a JAX function once per input signature, and each call adds the forward half of its
+`jax.vjp` to the LazyTensor graph as one node (the backward half runs in torch's backward). CPU
+inputs move to the XLA device through DLPack without copying, and results move back the same way
+when no input was an XLA tensor.
+"""
+import torch
+
+from torch_xla_jaxbridge import autograd, dlpack, runtime
+
+BACKEND_NAME = "jaxbridge"
+
+
+def jaxbridge_backend(graph_module, example_inputs):
+  """Dynamo backend: `torch.compile(fn, backend="jaxbridge")` (registered on import).
+
+  Training works: gradients come from `jax.vjp` of the whole graph (Dynamo's graph is bridged
+  before AOTAutograd would see it). A graph break splits the function into several bridged graphs
+  with eager torch code between them.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> f = torch.compile(lambda x: torch.sin(x) * 2, backend="jaxbridge")
+    >>> f(torch.ones(3)).device.type
+    'cpu'
+  """
+  bridged = autograd.BridgeModule(graph_module)
+
+  def run(*args):
+    jax = runtime.jax_module()
+    on_xla = any(isinstance(a, torch.Tensor) and a.is_xla for a in args)
+    args = [_CpuToXla.apply(a) if _is_cpu_tensor(a) else a for a in args]
+    outputs = bridged(*args)
+    if on_xla:
+      return outputs
+    return jax.tree.map(lambda t: _XlaToCpu.apply(t) if isinstance(t, torch.Tensor) else t,
+                        outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
+
+  return run
+
+
+def _is_cpu_tensor(value):
+  return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+class _CpuToXla(torch.autograd.Function):
+  """A CPU tensor as an XLA tensor on the same memory; its gradient comes back the same way."""
+
+  @staticmethod
+  def forward(ctx, tensor):
+    return dlpack.cpu_to_xla(tensor)
+
+  @staticmethod
+  def backward(ctx, grad):
+    return dlpack.xla_to_cpu(grad)
+
+
+class _XlaToCpu(torch.autograd.Function):
+  """An XLA tensor (its pending work run) as a CPU tensor on the same memory."""
+
+  @staticmethod
+  def forward(ctx, tensor):
+    return dlpack.xla_to_cpu(tensor)
+
+  @staticmethod
+  def backward(ctx, grad):
+    return dlpack.cpu_to_xla(grad.contiguous())
+
+
+def register():
+  """Registers the backend under the name "jaxbridge" (done when the package is imported).
+
+  Example:
+    >>> register()
+    >>> "jaxbridge" in torch._dynamo.list_backends()
+    True
+  """
+  import torch._dynamo
+
+  if BACKEND_NAME not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(jaxbridge_backend, name=BACKEND_NAME)

@@ -152,9 +152,9 @@ def check_bad_input(dev):
   return messages
 
 
-def check_recipe(out_dir):
+def check_recipe(out_dir, *overrides):
   cfg = config.load(["train.steps=3", "train.checkpoint_every=0", "mesh.fsdp=4",
-                     f"out={out_dir}"])
+                     f"out={out_dir}", *overrides])
   losses = train.train(cfg, log=lambda line: None)
   summary = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())
   return {"losses": losses, "param_shardings": summary["param_shardings"]}
@@ -179,6 +179,7 @@ def main(out_dir):
       "constraints": lambda: check_constraints(dev),
       "bad_input": lambda: check_bad_input(dev),
       "recipe": lambda: check_recipe(out_dir),
+      "recipe_scan": lambda: check_recipe(pathlib.Path(out_dir) / "scan", "remat.scan_layers=true"),
   }
   for name, check in checks.items():
     try:

@@ -82,6 +82,9 @@ def test_scan_layers_on_sharded_layers(facts):
   found = part(facts, "scan")
   assert found["out_rel_err"] < TOL and found["max_grad_rel_err"] < TOL
   assert found["out_spec"] == FSDP_ROW
+  assert len(found["grad_specs"]) == 12
+  for param_spec, grad_spec in found["grad_specs"]:  # each layer's own gradient, as its parameter
+    assert param_spec != "{replicated}" and grad_spec == param_spec
 
 
 def test_mark_sharding_in_bridged_code_is_a_constraint_in_the_hlo(facts):
@@ -128,6 +131,15 @@ def test_recipe_fsdp4_matches_the_one_device_run(facts, tmp_path):
   shardings = found["param_shardings"]
   assert len(shardings) == 39
   assert all(s != "{replicated}" for s in shardings.values())  # every llama-tiny dim divides by 4
+
+
+def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, tmp_path):
+  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
+                                        "remat.scan_layers=true", f"out={tmp_path}"]),
+                           log=lambda line: None)
+  found = part(facts, "recipe_scan")
+  assert found["losses"] == pytest.approx(one_device, rel=TOL)
+  assert all(s != "{replicated}" for s in found["param_shardings"].values())
 
 
 def test_constraint_without_spmd_says_to_enable_it():

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from torch_xla_jaxbridge import autograd, convert, errors, remat as remat_policies, runtime
+from torch_xla_jaxbridge import autograd, convert, errors, remat as remat_policies, runtime, spmd
 
 # The scan's bridged function, shared by layer stacks of one structure, and kept as long as the
 # program runs (a stack whose structure has no key is tied to its first layer instead).
@@ -92,11 +92,34 @@ def _stacked(layers):
   layer's own tensors through `torch.stack`'s backward)."""
   names = [n for n, _ in layers[0].named_parameters()]
   per_layer = [dict(l.named_parameters()) for l in layers]
-  params = {n: torch.stack([p[n] for p in per_layer]) for n in names}
+  params = {n: _stack([p[n] for p in per_layer]) for n in names}
   buffer_names = [n for n, _ in layers[0].named_buffers()]
   per_layer = [dict(l.named_buffers()) for l in layers]
   buffers = {n: torch.stack([b[n] for b in per_layer]) for n in buffer_names}
   return params, buffers
+
+
+def _stack(tensors):
+  """`torch.stack`; under SPMD each layer's gradient comes back sharded as its parameter (the
+  stack's own backward leaves that to propagation, which can replicate it)."""
+  shardings = spmd.shardings_of(tensors)
+  if shardings is None:
+    return torch.stack(tensors)
+  return _ShardedStack.apply(shardings, *tensors)
+
+
+class _ShardedStack(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, shardings, *tensors):
+    ctx.shardings = shardings
+    return torch.stack(tensors)
+
+  @staticmethod
+  def backward(ctx, grad):
+    grads = [g.clone() for g in grad.unbind(0)]  # annotate copies, not views of the stack
+    spmd.shard_like(grads, ctx.shardings)
+    return (None, *grads)
 
 
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):

@@ -116,6 +116,22 @@ def test_dynamo_sees_one_node_and_dynamic_shapes_do_not_recompile():
   assert isinstance(out_rows, torch.SymInt)  # from jax.eval_shape, symbolically
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dynamic_shapes_train_with_one_graph(backend):
+  torch._dynamo.reset()
+  torch._dynamo.utils.counters.clear()
+  (w,) = leaves((3, 5))
+  compiled = torch.compile(lambda a, b: dense_tanh(a, b).sum(), fullgraph=True, dynamic=True,
+                           backend=backend)
+  for rows in (2, 3, 7):
+    x = torch.randn(rows, 3, requires_grad=True)
+    compiled(x, w).backward()
+    ref = x.detach().clone().requires_grad_()
+    torch_dense_tanh(ref, w.detach()).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+  assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_cpu_kernel_reads_tensor_memory_without_copy():
   t = torch.arange(16, dtype=torch.float32)
   array = custom_op._cpu_to_jax(jax, t)

@@ -111,6 +111,12 @@ def check_constraints(dev):
   reference = torch.zeros(8, 8).to(dev)
   xs.mark_sharding(reference, reversed_mesh, ("d", None))
 
+  with_grads = jb.bridge(lambda t: xs.mark_sharding_with_gradients(t * 2, reversed_mesh,
+                                                                  (None, "d")) + 1)
+  w = torch.randn(8, 8).to(dev).requires_grad_(True)
+  out3 = with_grads(w)
+  out3.sum().backward()
+  torch_xla.sync()
   grid = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
 
   def jax_fn(a):
@@ -123,6 +129,8 @@ def check_constraints(dev):
   return {"bridge_hlo": fwd_hlo, "bridge_grad_hlo": bwd_hlo, "bridge_out_spec": spec(out),
           "bridge_grad_spec": spec(x.grad), "torch_xla_spec": spec(reference),
           "bridge_rel_err": rel_err(out, x.detach().cpu() * 2 + 1),
+          "with_gradients_specs": [spec(out3), spec(w.grad)],
+          "hooks_restored": xs.mark_sharding.__name__ == "mark_sharding",
           "jax_hlo": jax_hlo, "jax_out_spec": spec(out2),
           "jax_rel_err": rel_err(out2, torch.sin(z) * 2)}
 

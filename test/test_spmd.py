@@ -97,6 +97,8 @@ def test_mark_sharding_in_bridged_code_is_a_constraint_in_the_hlo(facts):
   assert found["torch_xla_spec"] in found["bridge_grad_hlo"]
   assert found["bridge_grad_spec"] == found["torch_xla_spec"]
   assert found["bridge_rel_err"] < TOL
+  assert found["with_gradients_specs"] == ["{devices=[1,4]3,2,1,0}"] * 2
+  assert found["hooks_restored"]
 
 
 def test_with_sharding_constraint_in_a_jax_function(facts):

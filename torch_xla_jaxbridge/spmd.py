@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import sys
 import threading
 
@@ -204,11 +205,11 @@ def shardings_of(tensors):
     >>> shardings_of([torch.ones(2, device="xla")]) is None  # without SPMD
     True
   """
-  import torch_xla
-  import torch_xla.runtime as xr
-
-  if not xr.is_spmd():
+  flag = os.environ.get("XLA_USE_SPMD", "")  # torch_xla.runtime.is_spmd(), without its imports
+  if not (flag == "true" or (flag.isdigit() and int(flag) > 0)):
     return None
+  import torch_xla
+
   get = torch_xla._XLAC._get_xla_op_sharding
   found = tuple(get(t) for t in tensors)
   return found if any(s is not None for s in found) else None

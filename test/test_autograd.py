@@ -325,3 +325,37 @@ def test_first_call_of_a_newly_random_signature_is_fresh(dev):
     return layer.train()(x).cpu()
 
   assert not torch.equal(first_train_mask(1), first_train_mask(2))
+
+
+def test_module_state_is_read_fresh_after_structure_changes(dev):
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(dev)
+  shared = torch.nn.Linear(4, 4).to(dev)
+  model.append(shared)
+  model.append(shared)  # the same submodule at two paths: its tensors go in once
+  bridged = jb.BridgeModule(model)
+  x = torch.randn(2, 4, device=dev)
+
+  def expect_same():
+    params, buffers, training = bridged._state.state()
+    places = {f"{prefix}.{k}".lstrip("."): v for prefix, m in model.named_modules()
+              for k, v in m._parameters.items()}
+    assert list(params) == list(places) and all(params[n] is p for n, p in places.items())
+    assert training == tuple(m.training for m in model.modules())
+    torch.testing.assert_close(bridged(x).cpu(), model(x).cpu())
+
+  expect_same()
+  model[0].weight = torch.nn.Parameter(torch.zeros(4, 4, device=dev))  # a replaced parameter
+  expect_same()
+  model[1] = torch.nn.Linear(4, 4).to(dev)  # a replaced submodule
+  expect_same()
+  model[0].register_buffer("scale", torch.ones(4, device=dev))  # a new buffer
+  assert "0.scale" in bridged._state.state()[1]
+  model[2].eval()
+  expect_same()
+  reference = copy.deepcopy(model)
+  bridged(x).square().sum().backward()
+  reference(x).square().sum().backward()
+  assert reference[2] is reference[3]
+  for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), r.grad.cpu(), msg=name)

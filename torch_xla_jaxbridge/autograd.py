@@ -325,6 +325,51 @@ def structure_key(module):
   return tuple(parts)
 
 
+class _StateWalk:
+  """Where a module's parameters and buffers live, so each call reads the current tensors without
+  walking the module tree (a third of a bridged layer call's host time). The walk is redone when
+  any submodule's parameter, buffer or submodule entries change.
+
+  Example:
+    >>> params, buffers, training = _StateWalk(torch.nn.Linear(2, 3)).state()
+    >>> sorted(params)
+    ['bias', 'weight']
+  """
+
+  def __init__(self, module):
+    self.module = module
+    self._walk()
+
+  def _walk(self):
+    # a submodule used at two paths is one place: its tensors go in once, under its first path
+    named = list(self.module.named_modules())
+    self.entries = [(f"{prefix}." if prefix else "", sub, tuple(sub._parameters),
+                     tuple(sub._buffers), tuple(sub._modules.items())) for prefix, sub in named]
+    self.unique = [sub for _, sub in named]
+
+  def _unchanged(self):
+    return all(tuple(sub._parameters) == p and tuple(sub._buffers) == b and
+               tuple(sub._modules.items()) == m for _, sub, p, b, m in self.entries)
+
+  def state(self):
+    """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
+    tied between two submodules is passed under both names (its gradient sums over the uses in
+    torch's backward)."""
+    if not self._unchanged():
+      self._walk()
+    params, buffers = {}, {}
+    for prefix, sub, param_keys, buffer_keys, _ in self.entries:
+      for key in param_keys:
+        value = sub._parameters[key]
+        if value is not None:
+          params[prefix + key] = value
+      for key in buffer_keys:
+        value = sub._buffers[key]
+        if value is not None:
+          buffers[prefix + key] = value
+    return params, buffers, tuple([sub.training for sub in self.unique])
+
+
 _SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers
 
 
@@ -350,6 +395,7 @@ class BridgeModule(torch.nn.Module):
     if not isinstance(module, torch.nn.Module):
       raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
     object.__setattr__(self, "_wrapped", module)
+    object.__setattr__(self, "_state", _StateWalk(module))
     self._parameters = module._parameters
     self._buffers = module._buffers
     self._non_persistent_buffers_set = module._non_persistent_buffers_set
@@ -370,10 +416,7 @@ class BridgeModule(torch.nn.Module):
     return self._wrapped
 
   def forward(self, *args, **kwargs):
-    # every name of a tied parameter is passed: its gradient sums over the uses, in torch's backward
-    params = dict(self._wrapped.named_parameters(remove_duplicate=False))
-    buffers = dict(self._wrapped.named_buffers(remove_duplicate=False))
-    training = tuple(m.training for m in self._wrapped.modules())
+    params, buffers, training = self._state.state()
     return self._bridged(params, buffers, training, args, kwargs)
 
   def train(self, mode=True):

@@ -4,8 +4,9 @@ Modes: plain LazyTensor, upstream PureModule per layer, our BridgeModule per lay
 scan_layers, and the same model converted by torchax and run as native `jax.jit(grad)` (the
 ceiling for this design). Columns: compile time (warm-up), first step, host time per step (trace
 and dispatch, before `torch_xla.sync()`), step time (median), compiles after warm-up (must be 0),
-loss after the run. Pre-norm decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD. Prints a table
-and writes JSON (default out/bench_step.json).
+loss after the run; host time is also split into forward, backward and optimizer. Pre-norm
+decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's, foreach; our modes also with
+jb.optim.SGD, one node per step). Prints a table and writes JSON (default out/bench_step.json).
 
   python scripts/bench_step.py [--layers 8 32] [--steps 5] [--modes ...] [--json PATH]
 """
@@ -19,6 +20,7 @@ import stack_bench
 import torch
 
 MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_layers",
+         "ours BridgeModule" + stack_bench.FUSED_SGD, "ours scan_layers" + stack_bench.FUSED_SGD,
          "native jax.jit"]
 
 
@@ -68,10 +70,11 @@ def main():
              stack_bench.run(mode, layers, opts.steps))
       rows.append(row)
       print(row, flush=True)
-  head = ("mode", "layers", "compile_s", "host_ms", "step_ms", "compiles_after_warmup", "loss")
-  print("\n" + "".join(f"{h:>22}" for h in head))
+  head = ("layers", "compile_s", "host_ms", "host_forward_ms", "host_backward_ms",
+          "host_optimizer_ms", "step_ms", "compiles_after_warmup", "loss")
+  print("\n" + f"{'mode':>34}" + "".join(f"{h[:18]:>19}" for h in head))
   for r in rows:
-    print("".join(f"{str(r[h]):>22}" for h in head))
+    print(f"{r['mode']:>34}" + "".join(f"{str(r.get(h)):>19}" for h in head))
   summary = {}
   for layers in opts.layers:
     base = next((r for r in rows if r["layers"] == layers and r["mode"] == "LazyTensor"), None)

@@ -13,7 +13,10 @@ from torch_xla.experimental.scan_layers import scan_layers as upstream_scan_laye
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer
 
 D, HEADS, SEQ, BATCH = 256, 4, 64, 4
-CONFIG = {"D": D, "heads": HEADS, "seq": SEQ, "batch": BATCH, "optimizer": "SGD lr=1e-3"}
+CONFIG = {"D": D, "heads": HEADS, "seq": SEQ, "batch": BATCH,
+          "optimizer": "torch.optim.SGD(lr=1e-3, foreach=True), or jb.optim.SGD(lr=1e-3) where the "
+                       "mode says '+ jb.optim.SGD'"}
+FUSED_SGD = " + jb.optim.SGD"
 
 
 class PositionsBound(torch.nn.Module):
@@ -61,15 +64,21 @@ def run(mode, layers, steps):
   torch.manual_seed(0)
   dev = torch_xla.device()
   stack = [PositionsBound().to(dev) for _ in range(layers)]
-  forward = stack_forward(mode, stack)
-  optimizer = torch.optim.SGD([p for l in stack for p in l.parameters()], lr=1e-3)
+  params = [p for l in stack for p in l.parameters()]
+  fused = mode.endswith(FUSED_SGD)
+  forward = stack_forward(mode.removesuffix(FUSED_SGD), stack)
+  optimizer = (jb.optim.SGD(params, lr=1e-3) if fused else
+               torch.optim.SGD(params, lr=1e-3, foreach=True))
   x = torch.randn(BATCH, SEQ, D).to(dev)  # CPU generator: the same input for every mode
   before = compiles()
+  parts = {"forward": [], "backward": [], "optimizer": []}
   host, times, loss = [], [], None
   for step in range(steps + 2):
     start = time.perf_counter()
     loss = forward(x).pow(2).mean()
+    forwarded = time.perf_counter()
     loss.backward()
+    backwarded = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad()
     traced = time.perf_counter()
@@ -82,8 +91,12 @@ def run(mode, layers, steps):
     if step >= 2:
       host.append((traced - start) * 1e3)
       times.append((done - start) * 1e3)
+      for part, (a, b) in zip(parts, ((start, forwarded), (forwarded, backwarded),
+                                      (backwarded, traced))):
+        parts[part].append((b - a) * 1e3)
   after = compiles()
   return {"mode": mode, "layers": layers, "compile_s": round((warm[1] - before[1]) / 1e9, 2),
           "first_step_s": round(first_s, 2), "host_ms": round(statistics.median(host), 2),
+          **{f"host_{k}_ms": round(statistics.median(v), 2) for k, v in parts.items()},
           "step_ms": round(statistics.median(times), 1), "compiles_after_warmup": after[0] - warm[0],
           "loss": round(loss.item(), 6)}

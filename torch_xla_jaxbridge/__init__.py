@@ -15,7 +15,7 @@ import torch_xla  # noqa: E402  (registers the 'xla' device)
 torch_xla._XLAC._init_computation_client()
 
 from torch_xla_jaxbridge import compile as _compile  # noqa: E402
-from torch_xla_jaxbridge import dlpack, errors  # noqa: E402
+from torch_xla_jaxbridge import dlpack, errors, optim, spmd  # noqa: E402
 from torch_xla_jaxbridge.autograd import (BridgeModule, PureModule, assume_pure,  # noqa: E402
                                            bridge)
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402
@@ -30,6 +30,6 @@ from torch_xla_jaxbridge.scan import scan_layers  # noqa: E402
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
            "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
-           "jax_op"]
+           "jax_op", "optim", "spmd"]
 
 _compile.register()

@@ -36,7 +36,7 @@ def native_jax(layers, steps):
 
   @jax.jit
   def step(params):
-    loss, grads = jax.value_and_grad(lambda p: (fn(p, (x,)) ** 2).mean())(params)
+    loss, grads = jax.value_and_grad(lambda p: (fn(p, (x,)) ** 2).mean(), allow_int=True)(params)
     return loss, jax.tree.map(lambda p, g: p - 1e-3 * g if g.dtype.kind == "f" else p, params,
                               grads)
 

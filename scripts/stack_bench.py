@@ -6,6 +6,7 @@ import time
 import torch_xla_jaxbridge as jb
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch_xla.experimental.assume_pure import PureModule
 from torch_xla.experimental.scan_layers import scan_layers as upstream_scan_layers
@@ -25,7 +26,8 @@ class PositionsBound(torch.nn.Module):
   def __init__(self):
     super().__init__()
     self.layer = DecoderLayer(D, HEADS, HEADS, 4 * D)
-    self.register_buffer("positions", torch.arange(SEQ), persistent=False)
+    # int32: upstream assume_pure traces without x64 and rejects an int64 buffer
+    self.register_buffer("positions", torch.arange(SEQ, dtype=torch.int32), persistent=False)
 
   def forward(self, h):
     return self.layer(h, self.positions)
@@ -83,6 +85,7 @@ def run(mode, layers, steps):
     optimizer.zero_grad()
     traced = time.perf_counter()
     torch_xla.sync(wait=True)
+    xm.wait_device_ops()  # sync(wait=True) alone returned before the step ran, for fused SGD
     done = time.perf_counter()
     if step == 0:
       first_s = done - start

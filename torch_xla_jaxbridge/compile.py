@@ -31,12 +31,14 @@ def jaxbridge_backend(graph_module, example_inputs):
   def run(*args):
     jax = runtime.jax_module()
     on_xla = any(isinstance(a, torch.Tensor) and a.is_xla for a in args)
-    args = [_CpuToXla.apply(a) if _is_cpu_tensor(a) else a for a in args]
+    args = [_Move.apply(a, dlpack.cpu_to_xla, dlpack.xla_to_cpu) if _is_cpu_tensor(a) else a
+            for a in args]
     outputs = bridged(*args)
     if on_xla:
       return outputs
-    return jax.tree.map(lambda t: _XlaToCpu.apply(t) if isinstance(t, torch.Tensor) else t,
-                        outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
+    return jax.tree.map(
+        lambda t: _Move.apply(t, dlpack.xla_to_cpu, dlpack.cpu_to_xla)
+        if isinstance(t, torch.Tensor) else t, outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
 
   return run
 
@@ -45,28 +47,18 @@ def _is_cpu_tensor(value):
   return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-class _CpuToXla(torch.autograd.Function):
-  """A CPU tensor as an XLA tensor on the same memory; its gradient comes back the same way."""
+class _Move(torch.autograd.Function):
+  """A tensor moved through DLPack (`there`: same memory, other device); its gradient moves
+  back the same way (`back`)."""
 
   @staticmethod
-  def forward(ctx, tensor):
-    return dlpack.cpu_to_xla(tensor)
-
-  @staticmethod
-  def backward(ctx, grad):
-    return dlpack.xla_to_cpu(grad)
-
-
-class _XlaToCpu(torch.autograd.Function):
-  """An XLA tensor (its pending work run) as a CPU tensor on the same memory."""
-
-  @staticmethod
-  def forward(ctx, tensor):
-    return dlpack.xla_to_cpu(tensor)
+  def forward(ctx, tensor, there, back):
+    ctx.back = back
+    return there(tensor)
 
   @staticmethod
   def backward(ctx, grad):
-    return dlpack.cpu_to_xla(grad.contiguous())
+    return ctx.back(grad.contiguous()), None, None
 
 
 def register():

@@ -3,6 +3,7 @@
 The layers' parameters and buffers are stacked along a new leading axis; the one-layer torch code
 is converted once and becomes the scan body, so trace and compile time do not grow with depth.
 """
+import contextlib
 import functools
 import weakref
 
@@ -127,14 +128,14 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
   jax = runtime.jax_module()
   env = convert.environment()
   unwrap, wrap = convert.to_jax, convert.to_torchax
-  keys = jax.random.split(env.get_and_rotate_prng_key(), count)
 
-  def body(carry, xs):
-    layer_params, layer_buffers, key = xs
+  def run_layer(carry, layer_params, layer_buffers, key):
     buffers_in = wrap(layer_buffers)
-    with env.override_property(prng=key):
+    with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
+      before = env.param.prng
       out = autograd._module_forward(template, wrap(layer_params), buffers_in, training,
                                      (wrap(carry),) + tuple(shared_args), shared_kwargs)
+      drew.append(env.param.prng is not before)
     changed = [n for n, b in buffers_in.items() if b._elem is not layer_buffers[n]]
     if changed:
       raise errors.MutationError(
@@ -147,7 +148,18 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
           f"scan_layers: a layer returned {jax.tree.structure(out)} for a carry of structure "
           f"{jax.tree.structure(carry)}; each layer must return what it takes (e.g. (hidden, "
           f"aux) for (hidden, aux)).")
-    return out, None
+    return out
+
+  # per-layer keys only for layers that draw random numbers: splitting keys costs compile time
+  drew = []
+  first_layer = jax.tree.map(lambda a: a[0], (unwrap(params), unwrap(buffers)))
+  jax.eval_shape(lambda c, p, b: run_layer(c, p, b, jax.random.key(0)), unwrap(carry),
+                 *first_layer)
+  keys = jax.random.split(env.get_and_rotate_prng_key(), count) if drew[0] else None
+
+  def body(carry, xs):
+    layer_params, layer_buffers, key = xs
+    return run_layer(carry, layer_params, layer_buffers, key), None
 
   if policy is not None:
     body = jax.checkpoint(body, policy=policy)

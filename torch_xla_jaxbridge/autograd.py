@@ -90,8 +90,9 @@ class Bridged:
         markers.append(leaf)
     spec = _Spec(treedef, tuple(markers))
     _check_hashable(self.name, spec, (args, kwargs))
-    # code that never draws random numbers gets a constant key: drawing one costs host time
-    fresh = key_data is not None or self.draws_random is not False
+    # code that never draws random numbers gets a constant key (drawing one costs host time, and
+    # a first call with a fresh key would make a first-step program that differs from the rest)
+    fresh = key_data is not None or bool(self.draws_random)
     key = _key_data(key_data, leaves) if fresh else _constant_key(_device(leaves))
     floats, others, mutated, layout = self._invoke(spec, key, diff, other)
     if not fresh and self.draws_random:  # this call traced code that does: run it with a fresh key
@@ -211,7 +212,9 @@ def _key_data(seed, leaves):
 
 @functools.lru_cache(maxsize=None)
 def _constant_key(device):
-  return torch.zeros(2, dtype=torch.int32, device=device)
+  # copied from the host, so it is device data from the start: made on the device it would be a
+  # pending op in the first step's graph only, and the second step would compile anew
+  return torch.zeros(2, dtype=torch.int32).to(device)
 
 
 def _device(leaves):

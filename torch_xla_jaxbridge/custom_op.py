@@ -115,7 +115,7 @@ def jax_op(jax_func, *, name):
     A callable; its `.op` attribute is the registered `torch.ops` overload.
 
   Example:
-    >>> import jax.numpy as jnp, torch, torch_xla_jaxbridge as jb
+    >>> import jax, torch, torch_xla_jaxbridge as jb
     >>> gelu = jb.jax_op(lambda x: x * jax.nn.sigmoid(1.702 * x), name="doc_gelu")
     >>> x = torch.randn(4, requires_grad=True)
     >>> torch.compile(lambda t: gelu(t).sum(), fullgraph=True)(x).backward()

@@ -41,10 +41,14 @@ def stack_forward(mode, stack):
     layers = [PureModule(l) for l in stack]
   elif mode == "ours BridgeModule":
     layers = [jb.BridgeModule(l) for l in stack]
+  elif mode == "ours BridgeModule remat=full":
+    layers = [jb.BridgeModule(l, remat="full") for l in stack]
   elif mode == "upstream scan_layers":
     return lambda h: upstream_scan_layers(stack, h)
   elif mode == "ours scan_layers":
     return lambda h: jb.scan_layers(stack, h)
+  elif mode == "ours scan_layers remat=full":
+    return lambda h: jb.scan_layers(stack, h, remat="full")
   else:
     raise ValueError(mode)
 

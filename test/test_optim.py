@@ -40,6 +40,23 @@ def test_matches_torch_sgd(dev, options):
     torch.testing.assert_close(a, b)
 
 
+def test_momentum_of_a_parameter_that_first_gets_a_gradient_later_matches_torch(dev):
+  results = []
+  for make in (jb.optim.SGD, torch.optim.SGD):
+    model = mlp(dev)
+    opt = make(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).to(dev)
+    for step in range(3):
+      opt.zero_grad()
+      out = model(x) if step else model[2](model[1](x[:, :8].new_ones(4, 8)))  # layer 0 unused
+      out.square().mean().backward()
+      opt.step()
+      torch_xla.sync()
+    results.append([p.detach().cpu() for p in model.parameters()])
+  for a, b in zip(*results):
+    torch.testing.assert_close(a, b)
+
+
 def test_one_graph_node_per_group_and_no_retrace_when_lr_changes(dev):
   model = mlp(dev)
   opt = jb.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters(),

@@ -5,6 +5,7 @@ each with the per-tensor loop, 0.03 ms with `foreach`); here the update of a who
 is one `call_jax`, traced once, and each parameter then takes the new value's data.
 """
 import torch
+import torch_xla
 
 from torch_xla_jaxbridge import call, errors
 
@@ -18,7 +19,7 @@ def _sgd_update(params, grads, buffers, lr, *, momentum, dampening, weight_decay
     if weight_decay:
       g = g + weight_decay * p
     if momentum:
-      buf = g if buffers is None else momentum * buffers[i] + (1 - dampening) * g
+      buf = g if buffers[i] is None else momentum * buffers[i] + (1 - dampening) * g
       new_buffers.append(buf)
       g = g + momentum * buf if nesterov else buf
     new_params.append((p - lr.astype(p.dtype) * g).astype(p.dtype))
@@ -74,16 +75,15 @@ class SGD(torch.optim.Optimizer):
             f"XLA tensors with dense gradients. Use torch.optim.SGD for the others.")
     momentum = group["momentum"]
     states = [self.state[p] for p in params]
-    have_buffers = momentum and all("momentum_buffer" in s for s in states)
-    buffers = [s["momentum_buffer"] for s in states] if have_buffers else None
+    # per parameter, as torch: one that first gets a gradient later starts its own buffer then
+    buffers = [s.get("momentum_buffer") for s in states]
     new_params, new_buffers = call.call_jax(
         _sgd_update, (params, [p.grad for p in params], buffers, self._lr(group, params[0])),
         dict(momentum=momentum, dampening=group["dampening"],
              weight_decay=group["weight_decay"], nesterov=group["nesterov"],
              maximize=group["maximize"]), name="sgd_step")
-    replace = _replace_data()
     for p, new in zip(params, new_params):
-      replace(p, new)
+      torch_xla._XLAC._replace_xla_tensor(p, new)
     for state, buf in zip(states, new_buffers or ()):
       state["momentum_buffer"] = buf
 
@@ -94,9 +94,3 @@ class SGD(torch.optim.Optimizer):
     if cached is None or cached[0] != value:
       cached = self._lr_tensors[id(group)] = (value, torch.tensor(value, device=like.device))
     return cached[1]
-
-
-def _replace_data():
-  import torch_xla
-
-  return torch_xla._XLAC._replace_xla_tensor

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 
-from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime
+from torch_xla_jaxbridge import call, convert, dlpack, dtypes, errors, runtime
 
 _LIBRARIES = {}  # namespace -> torch.library.Library (kept alive: dropping one unregisters ops)
 _DEFAULT_NAMESPACE = "jaxbridge"
@@ -168,8 +168,8 @@ def _jitted(flat_fn):
 
 def _cpu_to_jax(jax, tensor):
   tensor = tensor.detach()
-  if not tensor.is_contiguous() or (tensor.numel() and tensor.data_ptr() % 64):
-    tensor = tensor.contiguous().clone()  # JAX imports only dense, aligned host memory
+  if dlpack.unshareable(tensor) is not None:  # JAX imports only dense, aligned host memory
+    tensor = tensor.clone(memory_format=torch.contiguous_format)
   return jax.dlpack.from_dlpack(tensor)
 
 

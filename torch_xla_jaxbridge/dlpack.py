@@ -73,16 +73,29 @@ def cpu_to_xla(tensor):
         f"cpu_to_xla: expected a CPU tensor, got "
         f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}.")
   tensor = tensor.detach()
-  if not tensor.is_contiguous():
-    warnings.warn("cpu_to_xla: the tensor is not contiguous; it was copied, so the XLA tensor "
-                  "does not share its memory.", stacklevel=2)
-    tensor = tensor.contiguous()
-  elif tensor.numel() and tensor.data_ptr() % _ALIGNMENT:
-    warnings.warn(f"cpu_to_xla: the tensor's data is not {_ALIGNMENT}-byte aligned (a view at "
-                  f"storage offset {tensor.storage_offset()}); it was copied, so the XLA tensor "
-                  f"does not share its memory.", stacklevel=2)
-    tensor = tensor.clone()
+  reason = unshareable(tensor)
+  if reason is not None:
+    warnings.warn(f"cpu_to_xla: {reason}; it was copied, so the XLA tensor does not share its "
+                  f"memory.", stacklevel=2)
+    tensor = tensor.clone(memory_format=torch.contiguous_format)
   return xla_dlpack.from_dlpack(tensor)
+
+
+def unshareable(tensor):
+  """Why a CPU tensor's memory cannot be handed to XLA or JAX as it is, or None when it can: both
+  import only dense memory aligned to 64 bytes.
+
+  Example:
+    >>> import torch
+    >>> unshareable(torch.ones(4, 4).t())
+    'the tensor is not contiguous'
+  """
+  if not tensor.is_contiguous():
+    return "the tensor is not contiguous"
+  if tensor.numel() and tensor.data_ptr() % _ALIGNMENT:
+    return (f"the tensor's data is not {_ALIGNMENT}-byte aligned (a view at storage offset "
+            f"{tensor.storage_offset()})")
+  return None
 
 
 @functools.cache

@@ -122,3 +122,34 @@ def test_buffer_updates_inside_a_scan_are_refused_not_dropped(dev):
   eval_layers = [layer.eval() for layer in layers]
   out = jb.scan_layers(eval_layers, torch.ones(3, 4, device=dev))
   torch.testing.assert_close(out.cpu(), torch.ones(3, 4) / (1 + 1e-5), rtol=1e-4, atol=1e-4)
+
+
+def test_a_stack_seen_before_reads_its_current_parameters(dev):
+  layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+  x = torch.randn(2, 4)
+  xla_layers = [copy.deepcopy(l).to(dev) for l in layers]
+  jb.scan_layers(xla_layers, x.to(dev))
+  # a new parameter object after the stack was first checked: read, and given its gradient
+  layers[1].weight = torch.nn.Parameter(torch.randn(4, 4))
+  xla_layers[1].weight = torch.nn.Parameter(layers[1].weight.detach().to(dev))
+  jb.scan_layers(xla_layers, x.to(dev)).pow(2).sum().backward()
+  h = x
+  for layer in layers:
+    h = layer(h)
+  h.pow(2).sum().backward()
+  assert rel_err(xla_layers[1].weight.grad, layers[1].weight.grad) < 1e-5
+  xla_layers[2].weight = torch.nn.Parameter(torch.zeros(3, 4, device=dev))
+  with pytest.raises(jb.errors.BadArgumentError,
+                     match=r"layers\[2\] 'weight' is parameter \(3, 4\) torch.float32"):
+    jb.scan_layers(xla_layers, x.to(dev))
+
+
+def test_scanned_layers_are_not_kept_alive(dev):
+  import gc
+  import weakref
+  layers = [torch.nn.Linear(4, 4).to(dev) for _ in range(2)]
+  jb.scan_layers(layers, torch.ones(2, 4, device=dev))
+  second = weakref.ref(layers[1])
+  del layers
+  gc.collect()
+  assert second() is None

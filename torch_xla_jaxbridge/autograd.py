@@ -340,19 +340,18 @@ class _StateWalk:
   """
 
   def __init__(self, module):
-    self.module = module
+    self.module = weakref.ref(module)  # weak: a cache of walks keyed by module lets it go
     self._walk()
 
   def _walk(self):
     # a submodule used at two paths is one place: its tensors go in once, under its first path
-    named = list(self.module.named_modules())
-    self.entries = [(f"{prefix}." if prefix else "", sub, tuple(sub._parameters),
+    named = list(self.module().named_modules())
+    self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(sub._parameters),
                      tuple(sub._buffers), tuple(sub._modules.items())) for prefix, sub in named]
-    self.unique = [sub for _, sub in named]
 
   def _unchanged(self):
-    return all(tuple(sub._parameters) == p and tuple(sub._buffers) == b and
-               tuple(sub._modules.items()) == m for _, sub, p, b, m in self.entries)
+    return all(tuple(sub()._parameters) == p and tuple(sub()._buffers) == b and
+               tuple(sub()._modules.items()) == m for _, sub, p, b, m in self.entries)
 
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
@@ -360,8 +359,10 @@ class _StateWalk:
     torch's backward)."""
     if not self._unchanged():
       self._walk()
-    params, buffers = {}, {}
+    params, buffers, training = {}, {}, []
     for prefix, sub, param_keys, buffer_keys, _ in self.entries:
+      sub = sub()
+      training.append(sub.training)
       for key in param_keys:
         value = sub._parameters[key]
         if value is not None:
@@ -370,7 +371,7 @@ class _StateWalk:
         value = sub._buffers[key]
         if value is not None:
           buffers[prefix + key] = value
-    return params, buffers, tuple([sub.training for sub in self.unique])
+    return params, buffers, tuple(training)
 
 
 _SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers

@@ -20,7 +20,7 @@ import stack_bench
 import torch
 
 MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_layers",
-         "ours BridgeModule" + stack_bench.FUSED_SGD,
+         "ours BridgeModule" + stack_bench.FUSED_SGD, "ours scan_layers" + stack_bench.FUSED_SGD,
          "ours scan_layers remat=full" + stack_bench.FUSED_SGD,
          "native jax.jit"]
 

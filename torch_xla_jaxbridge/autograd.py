@@ -341,9 +341,11 @@ class _StateWalk:
 
   def __init__(self, module):
     self.module = weakref.ref(module)  # weak: a cache of walks keyed by module lets it go
+    self.walks = 0  # how many times the module was walked (a new walk: its layout changed)
     self._walk()
 
   def _walk(self):
+    self.walks += 1
     # a submodule used at two paths is one place: its tensors go in once, under its first path
     named = list(self.module().named_modules())
     self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(sub._parameters),

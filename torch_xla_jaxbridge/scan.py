@@ -9,7 +9,8 @@ import weakref
 
 import torch
 
-from torch_xla_jaxbridge import autograd, convert, errors, remat as remat_policies, runtime, spmd
+from torch_xla_jaxbridge import autograd, call, convert, errors, runtime, spmd
+from torch_xla_jaxbridge import remat as remat_policies
 
 # The scan's bridged function, shared by layer stacks of one structure, and kept as long as the
 # program runs (a stack whose structure has no key is tied to its first layer instead).
@@ -51,8 +52,9 @@ def scan_layers(layers, input_data, *, remat=None, shared_args=(), shared_kwargs
 class _LayerStack:
   """The layers of a `scan_layers` call, checked and walked once: later calls with the same layer
   objects read their current tensors through cached walks (the structure check and module walks
-  were two thirds of a 32-layer call's host time). Tensor shapes are compared on every call;
-  plain attributes are read when the stack is first seen.
+  were two thirds of a 32-layer call's host time). The check is redone when a layer's parameter,
+  buffer or submodule entries change, or when stacking finds different shapes or dtypes; plain
+  attributes are read when the stack is first seen.
 
   Example:
     >>> stack = _LayerStack.of([torch.nn.Linear(2, 2) for _ in range(3)])
@@ -76,6 +78,7 @@ class _LayerStack:
     _check_identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
     self.walks = [autograd._StateWalk(l) for l in layers]
+    self.layouts = [walk.walks for walk in self.walks]
     template = layers[0]
     self.template = weakref.ref(template)
     self.structure = autograd.structure_key(template)
@@ -85,12 +88,25 @@ class _LayerStack:
     (gradients reach each layer's own tensors through the stack's backward), and the first
     layer's modes."""
     states = [walk.state() for walk in self.walks]
-    reference = _shapes(states[0])
-    if any(_shapes(s) != reference for s in states[1:]):
-      _check_identical([ref() for ref in self.refs])  # raises, naming what differs
-    params = {n: _stack([s[0][n] for s in states]) for n in states[0][0]}
-    buffers = {n: torch.stack([s[1][n] for s in states]) for n in states[0][1]}
-    return params, buffers, states[0][2]
+    if [walk.walks for walk in self.walks] != self.layouts:  # a layer's entries changed
+      self._check()
+      self.layouts = [walk.walks for walk in self.walks]
+    count = len(states)
+    names, buffer_names = list(states[0][0]), list(states[0][1])
+    params = [s[0][n] for n in names for s in states]
+    buffers = [s[1][n] for n in buffer_names for s in states]
+    if _mixed_dtypes(params, count) or _mixed_dtypes(buffers, count):
+      self._check()  # torch.stack would promote them silently
+    try:
+      stacked = _StackLayers.apply(count, spmd.shardings_of(params), *params)
+      stacked_buffers = [torch.stack(buffers[i:i + count]) for i in range(0, len(buffers), count)]
+    except RuntimeError:  # shapes differ: name the first difference
+      self._check()
+      raise
+    return dict(zip(names, stacked)), dict(zip(buffer_names, stacked_buffers)), states[0][2]
+
+  def _check(self):
+    _check_identical([ref() for ref in self.refs])
 
   def bridged(self, remat):
     """The scan's bridged function, shared by stacks of one structure and remat policy."""
@@ -105,9 +121,9 @@ class _LayerStack:
     return bridged
 
 
-def _shapes(state):
-  params, buffers, _ = state
-  return [(t.shape, t.dtype) for t in (*params.values(), *buffers.values())]
+def _mixed_dtypes(tensors, count):
+  dtypes = [t.dtype for t in tensors]
+  return any(len(set(dtypes[i:i + count])) > 1 for i in range(0, len(dtypes), count))
 
 
 def _check_identical(layers):
@@ -140,27 +156,30 @@ def _describe(layer):
   return described
 
 
-def _stack(tensors):
-  """`torch.stack`; under SPMD each layer's gradient comes back sharded as its parameter (the
-  stack's own backward leaves that to propagation, which can replicate it)."""
-  shardings = spmd.shardings_of(tensors)
-  if shardings is None:
-    return torch.stack(tensors)
-  return _ShardedStack.apply(shardings, *tensors)
-
-
-class _ShardedStack(torch.autograd.Function):
+class _StackLayers(torch.autograd.Function):
+  """Stacks each parameter over the layers (`tensors` name by name, each name's layers in order);
+  the backward splits every stacked gradient into the layers' gradients in one graph node, not
+  one view per parameter, and under SPMD gives each the sharding of its parameter (propagation
+  alone can leave it replicated)."""
 
   @staticmethod
-  def forward(ctx, shardings, *tensors):
-    ctx.shardings = shardings
-    return torch.stack(tensors)
+  def forward(ctx, count, shardings, *tensors):
+    ctx.count, ctx.shardings = count, shardings
+    groups = [tensors[i:i + count] for i in range(0, len(tensors), count)]
+    stacked = tuple(torch.stack(group) for group in groups)
+    ctx.mark_non_differentiable(*[out for out, group in zip(stacked, groups)
+                                  if not any(t.requires_grad for t in group)])
+    return stacked
 
   @staticmethod
-  def backward(ctx, grad):
-    grads = [g.clone() for g in grad.unbind(0)]  # annotate copies, not views of the stack
-    spmd.shard_like(grads, ctx.shardings)
-    return (None, *grads)
+  def backward(ctx, *grads):
+    per_layer = call.call_jax(_unstack, (list(grads),), name="unstack_layers")
+    spmd.shard_like(per_layer, ctx.shardings)
+    return (None, None, *per_layer)
+
+
+def _unstack(stacked):
+  return [layer for group in stacked for layer in group]
 
 
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):

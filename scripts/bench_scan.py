@@ -25,7 +25,7 @@ def main():
   rows = []
   for layers in opts.layers:
     for mode in opts.modes:
-      rows.append(stack_bench.run(mode, layers, opts.steps))
+      rows.append(stack_bench.run_isolated(mode, layers, opts.steps))
       print(rows[-1], flush=True)
   print(f"\n{'mode':<24}{'layers':>7}{'compile s':>11}{'first step s':>14}{'step ms':>10}"
         f"{'loss':>12}")

@@ -13,48 +13,13 @@ jb.optim.SGD, one node per step). Prints a table and writes JSON (default out/be
 import argparse
 import json
 import os
-import statistics
-import time
 
 import stack_bench
-import torch
 
 MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_layers",
          "ours BridgeModule" + stack_bench.FUSED_SGD, "ours scan_layers" + stack_bench.FUSED_SGD,
          "ours scan_layers remat=full" + stack_bench.FUSED_SGD,
          "native jax.jit"]
-
-
-def native_jax(layers, steps):
-  """The torchax-converted stack as one jitted JAX SGD step on JAX's own CPU device."""
-  import jax
-  import torchax
-
-  torch.manual_seed(0)
-  model = torch.nn.Sequential(*[stack_bench.PositionsBound() for _ in range(layers)])
-  params, fn = torchax.extract_jax(model)
-  x = jax.numpy.asarray(torch.randn(stack_bench.BATCH, stack_bench.SEQ, stack_bench.D).numpy())
-
-  @jax.jit
-  def step(params):
-    loss, grads = jax.value_and_grad(lambda p: (fn(p, (x,)) ** 2).mean(), allow_int=True)(params)
-    return loss, jax.tree.map(lambda p, g: p - 1e-3 * g if g.dtype.kind == "f" else p, params,
-                              grads)
-
-  start = time.perf_counter()
-  loss, params = step(params)
-  jax.block_until_ready(params)
-  first = time.perf_counter() - start
-  times = []
-  for _ in range(steps + 1):
-    start = time.perf_counter()
-    loss, params = step(params)
-    jax.block_until_ready(params)
-    times.append((time.perf_counter() - start) * 1e3)
-  return {"mode": "native jax.jit", "layers": layers, "compile_s": round(first, 2),
-          "first_step_s": round(first, 2), "host_ms": None,
-          "step_ms": round(statistics.median(times[1:]), 1), "compiles_after_warmup": 0,
-          "loss": round(float(loss), 6)}
 
 
 def main():
@@ -67,8 +32,7 @@ def main():
   rows = []
   for layers in opts.layers:
     for mode in opts.modes:
-      row = (native_jax(layers, opts.steps) if mode == "native jax.jit" else
-             stack_bench.run(mode, layers, opts.steps))
+      row = stack_bench.run_isolated(mode, layers, opts.steps)
       rows.append(row)
       print(row, flush=True)
   head = ("layers", "compile_s", "host_ms", "host_forward_ms", "host_backward_ms",

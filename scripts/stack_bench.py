@@ -1,6 +1,16 @@
 """Shared harness of bench_step.py and bench_scan.py: a pre-norm decoder stack trained with SGD on
-the XLA CPU device, one way of running the stack per mode, with compile, host and step times."""
+the XLA CPU device, one way of running the stack per mode, with compile, host and step times.
+
+Each (mode, depth) runs in a fresh process (`run_isolated`): run one after another in one
+process, later modes were slower (host 8.0 ms for a mode run first, 9.5 ms after LazyTensor, 13.5
+ms after seven other modes) and shared compiled programs and caches.
+
+  python scripts/stack_bench.py MODE LAYERS STEPS   # one row as JSON, on the last line
+"""
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch_xla_jaxbridge as jb
@@ -60,6 +70,47 @@ def stack_forward(mode, stack):
   return run
 
 
+def native_jax(layers, steps):
+  """The torchax-converted stack as one jitted JAX SGD step on JAX's own CPU device."""
+  import jax
+  import torchax
+
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(*[PositionsBound() for _ in range(layers)])
+  params, fn = torchax.extract_jax(model)
+  x = jax.numpy.asarray(torch.randn(BATCH, SEQ, D).numpy())
+
+  @jax.jit
+  def step(params):
+    loss, grads = jax.value_and_grad(lambda p: (fn(p, (x,)) ** 2).mean(), allow_int=True)(params)
+    return loss, jax.tree.map(lambda p, g: p - 1e-3 * g if g.dtype.kind == "f" else p, params,
+                              grads)
+
+  start = time.perf_counter()
+  loss, params = step(params)
+  jax.block_until_ready(params)
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(steps + 1):
+    start = time.perf_counter()
+    loss, params = step(params)
+    jax.block_until_ready(params)
+    times.append((time.perf_counter() - start) * 1e3)
+  return {"mode": "native jax.jit", "layers": layers, "compile_s": round(first, 2),
+          "first_step_s": round(first, 2), "host_ms": None,
+          "step_ms": round(statistics.median(times[1:]), 1), "compiles_after_warmup": 0,
+          "loss": round(float(loss), 6)}
+
+
+def run_isolated(mode, layers, steps):
+  """`run` (or `native_jax`) in a fresh Python process; returns its result row."""
+  done = subprocess.run([sys.executable, __file__, mode, str(layers), str(steps)],
+                        capture_output=True, text=True)
+  if done.returncode != 0:
+    raise RuntimeError(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def compiles():
   data = met.metric_data("CompileTime")
   return (data[0], data[1]) if data else (0, 0)
@@ -107,3 +158,15 @@ def run(mode, layers, steps):
           **{f"host_{k}_ms": round(statistics.median(v), 2) for k, v in parts.items()},
           "step_ms": round(statistics.median(times), 1), "compiles_after_warmup": after[0] - warm[0],
           "loss": round(loss.item(), 6)}
+
+
+if __name__ == "__main__":
+  mode, layers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+  if mode == "native jax.jit":
+    import jax
+    jax.jit(lambda a: a + 1)(1.0).block_until_ready()  # one-time JIT set-up, not the model's
+    row = native_jax(layers, steps)
+  else:
+    (torch.ones(2, device=torch_xla.device()) + 1).cpu()  # one-time XLA set-up, likewise
+    row = run(mode, layers, steps)
+  print(json.dumps(row))

@@ -53,6 +53,9 @@ def stack_forward(mode, stack):
     layers = [jb.BridgeModule(l) for l in stack]
   elif mode == "ours BridgeModule remat=full":
     layers = [jb.BridgeModule(l, remat="full") for l in stack]
+  elif mode.startswith("ours BridgeModule(whole stack)"):
+    remat = mode.partition("remat=")[2] or None
+    layers = [jb.BridgeModule(torch.nn.Sequential(*stack), remat=remat)]
   elif mode == "upstream scan_layers":
     return lambda h: upstream_scan_layers(stack, h)
   elif mode == "ours scan_layers":

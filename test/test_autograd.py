@@ -368,3 +368,28 @@ def test_constant_key_is_device_data_so_the_first_step_graph_is_the_same(dev):
 
   key = autograd._constant_key(dev)
   assert "xla::device_data" in torch_xla._XLAC._get_xla_tensors_text([key])
+
+
+def test_inputs_kept_for_the_backward_are_not_returned_by_the_forward(dev):
+  layer = jb.BridgeModule(torch.nn.Linear(4, 4).to(dev))
+  x = torch.randn(2, 4, device=dev, requires_grad=True)
+  out = layer(x)
+  kept, computed = out.grad_fn.saved
+  assert computed == [] and sorted(kept.inputs) == [1, 2]  # the weight and x, passed as they are
+  out.sum().backward()
+  torch.testing.assert_close(layer.weight.grad.cpu(), torch.ones(4, 1) * x.detach().cpu().sum(0))
+
+
+@pytest.mark.parametrize("update", ["in place", "jb.optim.SGD"])
+def test_an_input_changed_before_the_backward_is_an_error_not_a_stale_gradient(dev, update):
+  layer = jb.BridgeModule(torch.nn.Linear(4, 4).to(dev))
+  x = torch.randn(2, 4, device=dev, requires_grad=True)
+  layer(x).sum().backward()
+  out = layer(x)
+  if update == "in place":
+    with torch.no_grad():
+      layer.weight.mul_(2)
+  else:
+    jb.optim.SGD(layer.parameters(), lr=0.1).step()
+  with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    out.sum().backward()

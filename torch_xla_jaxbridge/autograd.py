@@ -27,10 +27,14 @@ class _Layout:
 
 @dataclasses.dataclass(frozen=True)
 class _Residuals:
-  """How to rebuild the `vjp` function from the residual tensors it was flattened to."""
+  """How to rebuild the `vjp` function from the residual tensors it was flattened to: each
+  residual is either a differentiable input, passed to the backward as it is (`sources[i]`
+  indexes `inputs`), or a value the forward computed and returned (`sources[i]` is None)."""
   tree: object
-  dtypes: tuple
-  on_host: tuple  # offloaded residuals
+  sources: tuple
+  inputs: tuple  # positions, among the differentiable inputs, of those the backward reads
+  dtypes: tuple  # of the computed residuals
+  on_host: tuple  # offloaded computed residuals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,20 +141,28 @@ class Bridged:
       run = jax.checkpoint(run, policy=self.policy)
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
     residuals, tree = jax.tree.flatten(vjp_fn)
+    # a residual that is one of the inputs (a weight kept for the input's gradient) is not
+    # returned by the forward: that would add an output, and a copy, per parameter
+    position = {id(x): i for i, x in enumerate(diff)}
+    used = sorted({position[id(r)] for r in residuals if id(r) in position})
+    index = {p: i for i, p in enumerate(used)}
+    sources = tuple(index.get(position.get(id(r))) for r in residuals)
+    computed = [r for r, source in zip(residuals, sources) if source is None]
     on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
-                    for r in residuals)
-    kept = _Residuals(tree, tuple(r.dtype for r in residuals), on_host)
-    residuals = [dtypes.torch_compatible(jax, r) for r in residuals]
-    return floats, others, mutated, (kept, residuals), layout
+                    for r in computed)
+    kept = _Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host)
+    computed = [dtypes.torch_compatible(jax, r) for r in computed]
+    return floats, others, mutated, (kept, computed), layout
 
 
-def _backward_half(saved, cotangents):
+def _backward_half(saved, inputs, cotangents):
   jax = runtime.jax_module()
-  kept, residuals = saved
-  residuals = [dtypes.restore(jax, r, d) for r, d in zip(residuals, kept.dtypes)]
+  kept, computed = saved
+  computed = [dtypes.restore(jax, r, d) for r, d in zip(computed, kept.dtypes)]
   # an offloaded residual arrives as it left the forward, in host memory; the vjp moves it back
-  residuals = [jax.device_put(r, jax.memory.Space.Host) if host else r
-               for r, host in zip(residuals, kept.on_host)]
+  computed = iter([jax.device_put(r, jax.memory.Space.Host) if host else r
+                   for r, host in zip(computed, kept.on_host)])
+  residuals = [next(computed) if source is None else inputs[source] for source in kept.sources]
   return kept.tree.unflatten(residuals)(list(cotangents))
 
 
@@ -163,6 +175,7 @@ class _VjpFunction(torch.autograd.Function):
     floats, others, mutated, saved, layout = call.call_jax(
         bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
     ctx.saved = saved
+    ctx.save_for_backward(*[diff[i] for i in saved[0].inputs])  # torch checks their versions
     ctx.name = bridged.name
     ctx.shardings = spmd.shardings_of(diff)
     holder.append((layout, others, mutated))
@@ -171,7 +184,8 @@ class _VjpFunction(torch.autograd.Function):
   @staticmethod
   def backward(ctx, *cotangents):
     try:
-      grads = call.call_jax(_backward_half, (ctx.saved, cotangents), name=f"{ctx.name}_bwd")
+      grads = call.call_jax(_backward_half, (ctx.saved, list(ctx.saved_tensors), cotangents),
+                            name=f"{ctx.name}_bwd")
     except errors.JaxTracingError as e:
       if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
         raise

@@ -84,6 +84,7 @@ class SGD(torch.optim.Optimizer):
              maximize=group["maximize"]), name="sgd_step")
     for p, new in zip(params, new_params):
       torch_xla._XLAC._replace_xla_tensor(p, new)
+      torch.autograd.graph.increment_version(p)  # an in-place update, as far as autograd knows
     for state, buf in zip(states, new_buffers or ()):
       state["momentum_buffer"] = buf
 

@@ -139,7 +139,8 @@ def lower_bridged(fn, *args, platform, remat=None, **kwargs):
     floats, _, _, saved, _ = traced.out_info
     cotangents = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in floats]
     saved = (saved[0], [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in saved[1]])
-    backward = jax.jit(autograd._backward_half).trace(saved, cotangents).lower(
+    inputs = [diff[i] for i in saved[0].inputs]
+    backward = jax.jit(autograd._backward_half).trace(saved, inputs, cotangents).lower(
         lowering_platforms=(platform,)).as_text()
   return forward, backward
 

@@ -1,12 +1,13 @@
 """Training-step speed of a decoder stack, every way this package (and upstream) can run it.
 
-Modes: plain LazyTensor, upstream PureModule per layer, our BridgeModule per layer, our
-scan_layers, and the same model converted by torchax and run as native `jax.jit(grad)` (the
-ceiling for this design). Columns: compile time (warm-up), first step, host time per step (trace
-and dispatch, before `torch_xla.sync()`), step time (median), compiles after warm-up (must be 0),
-loss after the run; host time is also split into forward, backward and optimizer. Pre-norm
-decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's, foreach; our modes also with
-jb.optim.SGD, one node per step). Prints a table and writes JSON (default out/bench_step.json).
+Modes: plain LazyTensor, upstream PureModule per layer, our BridgeModule per layer or around the
+whole stack (one bridged call), our scan_layers, and the same model converted by torchax and run
+as native `jax.jit(grad)` (the ceiling for this design). Columns: compile time (warm-up), first
+step, host time per step (trace and dispatch, before `torch_xla.sync()`), step time (median),
+compiles after warm-up (must be 0), loss after the run; host time is also split into forward,
+backward and optimizer. Pre-norm decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's,
+foreach; our modes also with jb.optim.SGD, one node per step). Prints a table and writes JSON
+(default out/bench_step.json).
 
   python scripts/bench_step.py [--layers 8 32] [--steps 5] [--modes ...] [--json PATH]
 """
@@ -19,6 +20,7 @@ import stack_bench
 MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_layers",
          "ours BridgeModule" + stack_bench.FUSED_SGD, "ours scan_layers" + stack_bench.FUSED_SGD,
          "ours scan_layers remat=full" + stack_bench.FUSED_SGD,
+         "ours BridgeModule(whole stack) remat=dots_no_batch" + stack_bench.FUSED_SGD,
          "native jax.jit"]
 
 

@@ -247,3 +247,18 @@ def test_function_raising_while_tracing(dev):
                      r"\(args\[0\]: \(4, 5\) torch.float32\): ValueError: no such layer"):
     jb.call_jax(broken, (xla(A, dev),))
   assert jb.cache_info().currsize == 0
+
+
+def test_signatures_beyond_the_limit_evict_the_least_recently_used(dev, monkeypatch):
+  from torch_xla_jaxbridge import lowering
+  monkeypatch.setattr(lowering, "MAX_SIGNATURES_PER_FUNCTION", 2)
+
+  def double(x):
+    return x * 2
+
+  calls = []
+  for n in (1, 2, 1, 3, 1, 2):  # the hit on 1 makes 2 the least recently used: 3 evicts it
+    before = jb.cache_info()
+    jb.call_jax(double, (torch.ones(n, device=dev),))
+    calls.append("hit" if jb.cache_info().hits > before.hits else "miss")
+  assert calls == ["miss", "miss", "hit", "miss", "hit", "miss"]

@@ -136,9 +136,11 @@ class LoweringCache:
     per_function = self._function(anchor, subkey)
     if per_function is not None:
       table = per_function.by_signature
-      found = table.pop(signature, None)
+      found = table.get(signature)  # hashing a signature of many tensors costs: once if we can
       if found is not None:
-        table[signature] = found  # most recently used last
+        if len(table) > 1:  # most recently used last
+          del table[signature]
+          table[signature] = found
         self.hits += 1
         per_function.last_signature = signature
         return found

@@ -102,3 +102,13 @@ def test_bad_input_says_what_to_do(dev):
   cpu_model(torch.ones(1, 2)).sum().backward()
   with pytest.raises(jb.errors.BadArgumentError, match="Use torch.optim.SGD"):
     opt.step()
+
+
+def test_without_momentum_the_state_stays_empty_as_in_torch(dev):
+  model = mlp(dev)
+  opt = jb.optim.SGD(model.parameters(), lr=0.1)
+  train(model, opt, 1, dev)
+  ref_model = mlp(dev)
+  ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+  train(ref_model, ref, 1, dev)
+  assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}

@@ -74,9 +74,9 @@ class SGD(torch.optim.Optimizer):
             f"{' with a sparse gradient' if p.grad.is_sparse else ''}; jb.optim.SGD updates "
             f"XLA tensors with dense gradients. Use torch.optim.SGD for the others.")
     momentum = group["momentum"]
-    states = [self.state[p] for p in params]
     # per parameter, as torch: one that first gets a gradient later starts its own buffer then
-    buffers = [s.get("momentum_buffer") for s in states]
+    states = [self.state[p] for p in params] if momentum else []
+    buffers = [s.get("momentum_buffer") for s in states] if momentum else [None] * len(params)
     new_params, new_buffers = call.call_jax(
         _sgd_update, (params, [p.grad for p in params], buffers, self._lr(group, params[0])),
         dict(momentum=momentum, dampening=group["dampening"],
@@ -84,7 +84,7 @@ class SGD(torch.optim.Optimizer):
              maximize=group["maximize"]), name="sgd_step")
     for p, new in zip(params, new_params):
       torch_xla._XLAC._replace_xla_tensor(p, new)
-      torch.autograd.graph.increment_version(p)  # an in-place update, as far as autograd knows
+    torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
     for state, buf in zip(states, new_buffers or ()):
       state["momentum_buffer"] = buf
 

@@ -44,24 +44,22 @@ class PositionsBound(torch.nn.Module):
 
 
 def stack_forward(mode, stack):
-  """The function `h -> h` that runs `stack` the way `mode` says."""
-  if mode == "LazyTensor":
+  """The function `h -> h` that runs `stack` the way `mode` says (our modes take a
+  " remat=<preset>" suffix)."""
+  base, _, remat = mode.partition(" remat=")
+  remat = remat or None
+  if base == "LazyTensor":
     layers = stack
-  elif mode == "upstream PureModule":
+  elif base == "upstream PureModule":
     layers = [PureModule(l) for l in stack]
-  elif mode == "ours BridgeModule":
-    layers = [jb.BridgeModule(l) for l in stack]
-  elif mode == "ours BridgeModule remat=full":
-    layers = [jb.BridgeModule(l, remat="full") for l in stack]
-  elif mode.startswith("ours BridgeModule(whole stack)"):
-    remat = mode.partition("remat=")[2] or None
+  elif base == "ours BridgeModule":
+    layers = [jb.BridgeModule(l, remat=remat) for l in stack]
+  elif base == "ours BridgeModule(whole stack)":
     layers = [jb.BridgeModule(torch.nn.Sequential(*stack), remat=remat)]
-  elif mode == "upstream scan_layers":
+  elif base == "upstream scan_layers":
     return lambda h: upstream_scan_layers(stack, h)
-  elif mode == "ours scan_layers":
-    return lambda h: jb.scan_layers(stack, h)
-  elif mode == "ours scan_layers remat=full":
-    return lambda h: jb.scan_layers(stack, h, remat="full")
+  elif base == "ours scan_layers":
+    return lambda h: jb.scan_layers(stack, h, remat=remat)
   else:
     raise ValueError(mode)
 

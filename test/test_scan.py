@@ -1,5 +1,7 @@
 """scan_layers against the unrolled eager CPU model: outputs, gradients, remat, RNG, errors."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -156,8 +158,6 @@ def test_a_stack_seen_before_reads_its_current_parameters(dev):
 
 
 def test_scanned_layers_are_not_kept_alive(dev):
-  import gc
-  import weakref
   layers = [torch.nn.Linear(4, 4).to(dev) for _ in range(2)]
   jb.scan_layers(layers, torch.ones(2, 4, device=dev))
   second = weakref.ref(layers[1])

@@ -366,8 +366,12 @@ class _StateWalk:
                      tuple(sub._buffers), tuple(sub._modules.items())) for prefix, sub in named]
 
   def _unchanged(self):
-    return all(tuple(sub()._parameters) == p and tuple(sub()._buffers) == b and
-               tuple(sub()._modules.items()) == m for _, sub, p, b, m in self.entries)
+    for _, ref, param_keys, buffer_keys, submodules in self.entries:
+      sub = ref()
+      if (tuple(sub._parameters) != param_keys or tuple(sub._buffers) != buffer_keys or
+          tuple(sub._modules.items()) != submodules):
+        return False
+    return True
 
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter

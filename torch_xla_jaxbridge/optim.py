@@ -74,9 +74,12 @@ class SGD(torch.optim.Optimizer):
             f"{' with a sparse gradient' if p.grad.is_sparse else ''}; jb.optim.SGD updates "
             f"XLA tensors with dense gradients. Use torch.optim.SGD for the others.")
     momentum = group["momentum"]
-    # per parameter, as torch: one that first gets a gradient later starts its own buffer then
-    states = [self.state[p] for p in params] if momentum else []
-    buffers = [s.get("momentum_buffer") for s in states] if momentum else [None] * len(params)
+    if momentum:
+      # per parameter, as torch: one that first gets a gradient later starts its own buffer then
+      states = [self.state[p] for p in params]
+      buffers = [s.get("momentum_buffer") for s in states]
+    else:  # torch keeps no state without momentum
+      states, buffers = [], [None] * len(params)
     new_params, new_buffers = call.call_jax(
         _sgd_update, (params, [p.grad for p in params], buffers, self._lr(group, params[0])),
         dict(momentum=momentum, dampening=group["dampening"],

@@ -99,7 +99,7 @@ class _LayerStack:
       self._check()  # torch.stack would promote them silently
     try:
       stacked = _StackLayers.apply(count, spmd.shardings_of(params), *params)
-      stacked_buffers = [torch.stack(buffers[i:i + count]) for i in range(0, len(buffers), count)]
+      stacked_buffers = [torch.stack(group) for group in _groups(buffers, count)]
     except RuntimeError:  # shapes differ: name the first difference
       self._check()
       raise
@@ -121,9 +121,13 @@ class _LayerStack:
     return bridged
 
 
+def _groups(tensors, count):
+  """`tensors` listed name by name, each name's `count` layers in order: one group per name."""
+  return [tensors[i:i + count] for i in range(0, len(tensors), count)]
+
+
 def _mixed_dtypes(tensors, count):
-  dtypes = [t.dtype for t in tensors]
-  return any(len(set(dtypes[i:i + count])) > 1 for i in range(0, len(dtypes), count))
+  return any(len({t.dtype for t in group}) > 1 for group in _groups(tensors, count))
 
 
 def _check_identical(layers):
@@ -164,8 +168,8 @@ class _StackLayers(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, count, shardings, *tensors):
-    ctx.count, ctx.shardings = count, shardings
-    groups = [tensors[i:i + count] for i in range(0, len(tensors), count)]
+    ctx.shardings = shardings
+    groups = _groups(tensors, count)
     stacked = tuple(torch.stack(group) for group in groups)
     ctx.mark_non_differentiable(*[out for out, group in zip(stacked, groups)
                                   if not any(t.requires_grad for t in group)])

@@ -1,7 +1,8 @@
 """Training-step speed of a decoder stack, every way this package (and upstream) can run it.
 
 Modes: plain LazyTensor, upstream PureModule per layer, our BridgeModule per layer or around the
-whole stack (one bridged call), our scan_layers, and the same model converted by torchax and run
+whole stack (one bridged call), our scan_layers, our StackedLayers (parameters stored stacked, one
+scan), and the same model converted by torchax and run
 as native `jax.jit(grad)` (the ceiling for this design). Columns: compile time (warm-up), first
 step, host time per step (trace and dispatch, before `torch_xla.sync()`), step time (median),
 compiles after warm-up (must be 0), loss after the run; host time is also split into forward,
@@ -21,6 +22,8 @@ MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_la
          "ours BridgeModule" + stack_bench.FUSED_SGD, "ours scan_layers" + stack_bench.FUSED_SGD,
          "ours scan_layers remat=full" + stack_bench.FUSED_SGD,
          "ours BridgeModule(whole stack) remat=dots_no_batch" + stack_bench.FUSED_SGD,
+         "ours StackedLayers" + stack_bench.FUSED_SGD,
+         "ours StackedLayers remat=full" + stack_bench.FUSED_SGD,
          "native jax.jit"]
 
 
@@ -39,9 +42,9 @@ def main():
       print(row, flush=True)
   head = ("layers", "compile_s", "host_ms", "host_forward_ms", "host_backward_ms",
           "host_optimizer_ms", "step_ms", "compiles_after_warmup", "loss")
-  print("\n" + f"{'mode':>34}" + "".join(f"{h[:18]:>19}" for h in head))
+  print("\n" + f"{'mode':>48}" + "".join(f"{h[:18]:>19}" for h in head))
   for r in rows:
-    print(f"{r['mode']:>34}" + "".join(f"{str(r.get(h)):>19}" for h in head))
+    print(f"{r['mode']:>48}" + "".join(f"{str(r.get(h)):>19}" for h in head))
   summary = {}
   for layers in opts.layers:
     base = next((r for r in rows if r["layers"] == layers and r["mode"] == "LazyTensor"), None)

@@ -188,6 +188,8 @@ def main(out_dir):
       "bad_input": lambda: check_bad_input(dev),
       "recipe": lambda: check_recipe(out_dir),
       "recipe_scan": lambda: check_recipe(pathlib.Path(out_dir) / "scan", "remat.scan_layers=true"),
+      "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked",
+                                             "remat.stack_layers=true"),
   }
   for name, check in checks.items():
     try:

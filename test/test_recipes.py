@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torch_xla
 
 from torch_xla_jaxbridge.recipes import config, data, train
 
@@ -46,6 +47,22 @@ def test_bad_config_names_the_key_and_the_choices(override, message):
     config.load([override])
 
 
+def test_scan_and_stack_together_is_a_config_error():
+  with pytest.raises(config.ConfigError, match="remat.scan_layers and remat.stack_layers are both "
+                                               "true; pick one"):
+    config.load(["remat.scan_layers=true", "remat.stack_layers=true"])
+
+
+def test_stacked_layers_keep_the_checkpoint_keys_of_the_layer_list():
+  plain = train.prepare(config.load(), torch_xla.device())
+  stacked = train.prepare(config.load(["remat.stack_layers=true"]), torch_xla.device())
+  assert isinstance(stacked.layers, train.jb.StackedLayers)
+  assert list(stacked.state_dict()) == list(plain.state_dict())
+  for key, value in stacked.state_dict().items():  # same seed: the same values
+    assert torch.equal(value.cpu(), plain.state_dict()[key].cpu()), key
+  plain.load_state_dict(stacked.state_dict())
+
+
 def test_bad_config_stops_before_any_build(capsys, monkeypatch):
   monkeypatch.setattr(train, "prepare", lambda *a: pytest.fail("built a model"))
   assert train.main(["remat.bridge=none", "remat.policy=full"]) == 2
@@ -74,6 +91,7 @@ def lazy_tensor_losses(tmp_path_factory):
     (), ("remat.policy=full",), ("remat.policy=dots",), ("remat.policy=minimal",),
     ("remat.policy=minimal_offloaded",), ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
     ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
+    ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
 ], ids=lambda o: " ".join(o) or "bridged")
 def test_losses_match_plain_lazy_tensor(tmp_path, lazy_tensor_losses, overrides):
   with warnings.catch_warnings():

@@ -164,3 +164,100 @@ def test_scanned_layers_are_not_kept_alive(dev):
   del layers
   gc.collect()
   assert second() is None
+
+
+def stacked_vs_unrolled(layers, x, dev, *, shared=(), remat=None):
+  """StackedLayers of `layers` on XLA against the layers unrolled on CPU: output, input gradient
+  and each layer's parameter gradient (a slice of the stacked gradient)."""
+  stack = jb.StackedLayers(layers, remat=remat).to(dev)
+  if hasattr(stack.layer, "tie"):
+    stack.layer.tie()  # .to("xla") gives each name its own copy
+  h = ref_x = x.clone().requires_grad_()
+  for layer in layers:
+    h = layer(h, *shared)
+  h.pow(2).sum().backward()
+  xla_x = x.to(dev).requires_grad_()
+  out = stack(xla_x, *(s.to(dev) for s in shared))
+  out.pow(2).sum().backward()
+  torch_xla.sync()
+  assert rel_err(out, h) < 1e-4
+  assert rel_err(xla_x.grad, ref_x.grad) < 1e-4
+  for name, p in stack.layer.named_parameters():
+    assert p.shape[0] == len(layers)
+    for i, layer in enumerate(layers):
+      assert rel_err(p.grad[i], layer.get_parameter(name).grad) < 1e-4, (i, name)
+  return stack
+
+
+def test_stacked_layers_match_the_unrolled_linear_stack(dev):
+  stack = stacked_vs_unrolled([torch.nn.Linear(8, 8) for _ in range(5)], torch.randn(3, 8), dev)
+  assert [tuple(p.shape) for p in stack.parameters()] == [(5, 8, 8), (5, 8)]
+
+
+@pytest.mark.parametrize("remat", [None, "full"])
+def test_stacked_decoder_layers_with_shared_positions(dev, remat):
+  stacked_vs_unrolled([models.DecoderLayer() for _ in range(3)], torch.randn(2, 8, 32), dev,
+                      shared=(torch.arange(8),), remat=remat)
+
+
+class TiedPair(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    self.tie()
+
+  def tie(self):
+    self.b.weight = self.a.weight
+
+  def forward(self, h):
+    return self.b(torch.tanh(self.a(h)))
+
+
+def test_stacked_layers_keep_a_tied_parameter_tied(dev):
+  layers = [TiedPair() for _ in range(3)]
+  on_cpu = jb.StackedLayers(layers)
+  assert on_cpu.layer.b.weight is on_cpu.layer.a.weight
+  stack = stacked_vs_unrolled(layers, torch.randn(2, 4), dev)
+  assert len(list(stack.parameters())) == 3
+
+
+def test_stacked_layers_train_with_one_parameter_per_name_and_trace_once(dev):
+  stack = jb.StackedLayers([torch.nn.Linear(8, 8) for _ in range(6)]).to(dev)
+  optimizer = jb.optim.SGD(stack.parameters(), lr=0.1)
+  for _ in range(3):
+    stack(torch.randn(2, 8, device=dev)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    torch_xla.sync()
+  assert (jb.cache_info().misses, jb.cache_info().hits) == (3, 6)  # forward, backward, SGD
+  entry = torch_xla._XLAC._get_xla_tensors_hlo([stack(torch.ones(2, 8, device=dev))])
+  inputs = [line.split("=")[1].split("{")[0].strip() for line in
+            entry.split("ENTRY")[1].splitlines() if "parameter(" in line]
+  assert sorted(inputs) == ["f32[6,8,8]", "f32[6,8]", "s32[2]"]  # the stacks and the RNG key
+
+
+def test_stacked_layers_state_dict_has_the_layer_lists_keys(dev):
+  layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+  stack = jb.StackedLayers(torch.nn.Linear(4, 4) for _ in range(3)).to(dev)
+  stack.load_state_dict(layers.state_dict())
+  assert list(stack.state_dict()) == list(layers.state_dict())
+  x = torch.randn(2, 4)
+  h = x
+  for layer in layers:
+    h = layer(h)
+  assert rel_err(stack(x.to(dev)), h) < 1e-5
+  other = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+  other.load_state_dict({k: v.cpu() for k, v in stack.state_dict().items()})
+  assert all(torch.equal(other.state_dict()[k], v) for k, v in layers.state_dict().items())
+  partial = {k: v for k, v in layers.state_dict().items() if k != "2.bias"}
+  with pytest.raises(RuntimeError, match=r"StackedLayers: 1 of 3 layers miss 'bias' \(first: "
+                     r"'2.bias'\)"):
+    stack.load_state_dict(partial)
+
+
+def test_stacked_layers_errors(dev):
+  with pytest.raises(jb.errors.BadArgumentError, match="StackedLayers: layers is empty"):
+    jb.StackedLayers([])
+  with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: layers\[1\] 'weight' is "
+                     r"parameter \(2, 4\) torch.float32"):
+    jb.StackedLayers([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])

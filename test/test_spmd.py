@@ -144,6 +144,17 @@ def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, tmp_pat
   assert all(s != "{replicated}" for s in found["param_shardings"].values())
 
 
+def test_recipe_fsdp4_with_stacked_layers_matches_the_one_device_run(facts, tmp_path):
+  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
+                                        f"out={tmp_path}"]), log=lambda line: None)
+  found = part(facts, "recipe_stacked")
+  assert found["losses"] == pytest.approx(one_device, rel=TOL)
+  stacks = {n: s for n, s in found["param_shardings"].items() if n.startswith("layers.")}
+  assert len(stacks) == 9  # one stack per name of a decoder layer
+  # sharded as one layer's parameter; the layer axis (first) kept whole
+  assert all(s.startswith("{devices=[1,") and s != "{devices=[1,1]}" for s in stacks.values())
+
+
 def test_constraint_without_spmd_says_to_enable_it():
   import numpy as np
   import torch_xla.distributed.spmd as xs

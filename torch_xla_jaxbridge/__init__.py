@@ -25,11 +25,11 @@ from torch_xla_jaxbridge.jaxify import jaxify  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge.residuals import lower_bridged, saved_residuals  # noqa: E402
-from torch_xla_jaxbridge.scan import scan_layers  # noqa: E402
+from torch_xla_jaxbridge.scan import StackedLayers, scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
-           "scan_layers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
+           "scan_layers", "StackedLayers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
            "jax_op", "optim", "spmd"]
 
 _compile.register()

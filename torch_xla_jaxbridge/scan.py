@@ -2,8 +2,10 @@
 
 The layers' parameters and buffers are stacked along a new leading axis; the one-layer torch code
 is converted once and becomes the scan body, so trace and compile time do not grow with depth.
+`StackedLayers` keeps them stacked, so nothing is stacked or split per step.
 """
 import contextlib
+import copy
 import functools
 import weakref
 
@@ -45,8 +47,9 @@ def scan_layers(layers, input_data, *, remat=None, shared_args=(), shared_kwargs
     return input_data
   stack = _LayerStack.of(layers)
   params, buffers, training = stack.state()
-  return stack.bridged(remat)(len(layers), params, buffers, training, input_data,
-                              tuple(shared_args), shared_kwargs or {})
+  bridged = _bridged_scan(stack.template(), stack.structure, remat)
+  return bridged(len(layers), params, buffers, training, input_data, tuple(shared_args),
+                 shared_kwargs or {})
 
 
 class _LayerStack:
@@ -108,17 +111,104 @@ class _LayerStack:
   def _check(self):
     _check_identical([ref() for ref in self.refs])
 
-  def bridged(self, remat):
-    """The scan's bridged function, shared by stacks of one structure and remat policy."""
-    template = self.template()
-    table, key = (_BY_STRUCTURE, (self.structure, remat)) if self.structure is not None else (
-        _BY_LAYER.setdefault(template, {}), remat)
-    bridged = table.get(key)
-    if bridged is None:
-      bridged = table[key] = autograd.Bridged(
-          functools.partial(_scan, template, remat_policies.policy_for(remat)),
-          name=f"scan_{type(template).__name__}")
-    return bridged
+def _bridged_scan(template, structure, remat):
+  """The scan's bridged function, shared by stacks of one structure and remat policy."""
+  table, key = (_BY_STRUCTURE, (structure, remat)) if structure is not None else (
+      _BY_LAYER.setdefault(template, {}), remat)
+  bridged = table.get(key)
+  if bridged is None:
+    bridged = table[key] = autograd.Bridged(
+        functools.partial(_scan, template, remat_policies.policy_for(remat)),
+        name=f"scan_{type(template).__name__}")
+  return bridged
+
+
+class StackedLayers(torch.nn.Module):
+  """Identical layers kept as one stack: each parameter and buffer is a single tensor with the
+  layers along a new first axis, and the forward is `scan_layers` without stacking anything.
+
+  Compile and host time then do not grow with depth at all: the step has one parameter per name
+  (not per layer and name) to accumulate, update and keep. `state_dict()` keys are the layer list's
+  (`"0.weight"`, `"1.weight"`, ...), so checkpoints load into either form.
+
+  Args:
+    layers: structurally identical modules (as for `scan_layers`); their values are copied.
+    remat: policy for the scan body (see docs/remat.md).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> stack = jb.StackedLayers([torch.nn.Linear(8, 8) for _ in range(4)]).to("xla")
+    >>> stack.layer.weight.shape
+    torch.Size([4, 8, 8])
+    >>> stack(torch.randn(2, 8, device="xla")).sum().backward()
+    >>> stack.layer.weight.grad.shape
+    torch.Size([4, 8, 8])
+  """
+
+  def __init__(self, layers, *, remat=None):
+    super().__init__()
+    layers = list(layers)
+    if not layers:
+      raise errors.BadArgumentError("StackedLayers: layers is empty; give at least one layer.")
+    _check_identical(layers, "StackedLayers")
+    remat_policies.policy_for(remat)  # validates `remat`
+    self.count, self.remat = len(layers), remat
+    self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
+    stacked = {}  # a tensor tied between two names stays one stack
+    for kind in ("_parameters", "_buffers"):
+      for name, sub in self.layer.named_modules(remove_duplicate=False):
+        for key, value in getattr(sub, kind).items():
+          if value is not None and id(value) not in stacked:
+            full = f"{name}.{key}" if name else key
+            values = [_tensor_at(layer, full, kind) for layer in layers]
+            stack = torch.stack([v.detach() for v in values])
+            stacked[id(value)] = (torch.nn.Parameter(stack, value.requires_grad)
+                                  if kind == "_parameters" else stack)
+          if value is not None:
+            getattr(sub, kind)[key] = stacked[id(value)]
+    self._walk = autograd._StateWalk(self.layer)
+    self.register_state_dict_post_hook(_per_layer_keys)
+    self.register_load_state_dict_pre_hook(_stacked_keys)
+
+  def forward(self, carry, *shared_args, **shared_kwargs):
+    """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
+    params, buffers, training = self._walk.state()
+    bridged = _bridged_scan(self.layer, autograd.structure_key(self.layer), self.remat)
+    return bridged(self.count, params, buffers, training, carry, shared_args, shared_kwargs)
+
+  def __len__(self):
+    return self.count
+
+  def extra_repr(self):
+    return f"count={self.count}, remat={self.remat!r}"
+
+
+def _tensor_at(module, name, kind):
+  path, _, key = name.rpartition(".")
+  return getattr(module.get_submodule(path), kind)[key]
+
+
+def _per_layer_keys(module, state_dict, prefix, local_metadata):
+  """state_dict hook: the stacked `layer.<name>` entries as the layer list's `<i>.<name>`."""
+  stacks = {key[len(prefix + "layer."):]: state_dict.pop(key)
+            for key in [k for k in state_dict if k.startswith(prefix + "layer.")]}
+  for i in range(module.count):
+    for name, stack in stacks.items():
+      state_dict[f"{prefix}{i}.{name}"] = stack[i]
+
+
+def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                  unexpected_keys, error_msgs):
+  """load_state_dict hook: the layer list's `<i>.<name>` entries stacked as `layer.<name>`."""
+  names = [k[len("layer."):] for k in module.layer.state_dict(prefix="layer.")]
+  for name in names:
+    keys = [f"{prefix}{i}.{name}" for i in range(module.count)]
+    present = [k for k in keys if k in state_dict]
+    if present and len(present) < len(keys):
+      error_msgs.append(f"StackedLayers: {len(keys) - len(present)} of {len(keys)} layers miss "
+                        f"{name!r} (first: {next(k for k in keys if k not in state_dict)!r}).")
+    elif present:
+      state_dict[f"{prefix}layer.{name}"] = torch.stack([state_dict.pop(k) for k in keys])
 
 
 def _groups(tensors, count):
@@ -130,19 +220,19 @@ def _mixed_dtypes(tensors, count):
   return any(len({t.dtype for t in group}) > 1 for group in _groups(tensors, count))
 
 
-def _check_identical(layers):
+def _check_identical(layers, caller="scan_layers"):
   first = layers[0]
   reference = _describe(first)
   for i, layer in enumerate(layers[1:], start=1):
     if type(layer) is not type(first):
       raise errors.BadArgumentError(
-          f"scan_layers: layers[{i}] is a {type(layer).__name__}, layers[0] a "
+          f"{caller}: layers[{i}] is a {type(layer).__name__}, layers[0] a "
           f"{type(first).__name__}; every layer must have the same structure.")
     described = _describe(layer)
     for name in list(reference) + [k for k in described if k not in reference]:
       if reference.get(name) != described.get(name):
         raise errors.BadArgumentError(
-            f"scan_layers: layers[{i}] {name!r} is {described.get(name, 'missing')}, but in "
+            f"{caller}: layers[{i}] {name!r} is {described.get(name, 'missing')}, but in "
             f"layers[0] it is {reference.get(name, 'missing')}; every layer must have the same "
             f"parameters, buffers and plain attributes.")
 

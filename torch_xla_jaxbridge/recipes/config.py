@@ -102,9 +102,13 @@ def check(cfg):
   if both:
     raise ConfigError(f"remat.save and remat.offload both name {both}; keep each in one.")
   wants_remat = remat["policy"] is not None or remat["save"] or remat["offload"]
-  if remat["bridge"] == "none" and (wants_remat or remat["scan_layers"]):
+  if remat["bridge"] == "none" and (wants_remat or remat["scan_layers"] or
+                                    remat["stack_layers"]):
     raise ConfigError("remat.bridge=none runs plain LazyTensor layers: remat.policy, save, "
-                      "offload and scan_layers need remat.bridge=layers.")
+                      "offload, scan_layers and stack_layers need remat.bridge=layers.")
+  if remat["scan_layers"] and remat["stack_layers"]:
+    raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
+                      "run the stack as one scan; stack_layers also stores it stacked).")
   for key in ("batch", "seq", "steps"):
     if train[key] < 1:
       raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")

@@ -113,7 +113,8 @@ class Llama(nn.Module):
   """Token embedding, a stack of decoder layers, a final norm and the output projection.
 
   Set `scan_remat` to a `remat=` value (or `use_scan = True`) to run the stack as one
-  `jb.scan_layers` call.
+  `jb.scan_layers` call; `layers` may also be replaced by a module taking `(h, positions)`, such
+  as `jb.StackedLayers(model.layers)`.
 
   Example:
     >>> model = Llama(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64)
@@ -139,9 +140,11 @@ class Llama(nn.Module):
       from torch_xla_jaxbridge.scan import scan_layers
 
       h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
-    else:
+    elif isinstance(self.layers, nn.ModuleList):
       for layer in self.layers:
         h = layer(h, positions)
+    else:
+      h = self.layers(h, positions)
     return self.lm_head(self.norm(h))
 
 

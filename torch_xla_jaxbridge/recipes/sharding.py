@@ -9,6 +9,8 @@ import functools
 
 import numpy as np
 
+import torch_xla_jaxbridge as jb
+
 # Megatron-style placement over the `tensor` axis, by the parameter's last name parts:
 # column-parallel projections split their output features (dim 0), row-parallel their input (dim 1).
 _TENSOR_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
@@ -74,7 +76,8 @@ def param_spec(name, shape, fsdp, tensor):
 
 def shard_model(model, mesh):
   """Marks every parameter of `model` (on the XLA device) with its `param_spec`; returns the
-  specs by name.
+  specs by name. The stacks of a `jb.StackedLayers` are sharded as one layer's parameter, their
+  layer axis replicated (each step of the scan reads one layer).
 
   Example:
     >>> specs = shard_model(model, make_mesh(4, 1))  # doctest: +SKIP
@@ -82,9 +85,14 @@ def shard_model(model, mesh):
   import torch_xla.distributed.spmd as xs
 
   fsdp, tensor = mesh.mesh_shape
+  stacked = [prefix + "." for prefix, sub in model.named_modules()
+             if isinstance(sub, jb.StackedLayers)]
   specs = {}
   for name, param in model.named_parameters():
-    specs[name] = param_spec(name, tuple(param.shape), fsdp, tensor)
+    if any(name.startswith(prefix) for prefix in stacked):
+      specs[name] = (None,) + param_spec(name, tuple(param.shape[1:]), fsdp, tensor)
+    else:
+      specs[name] = param_spec(name, tuple(param.shape), fsdp, tensor)
     xs.mark_sharding(param, mesh, specs[name])
   return specs
 

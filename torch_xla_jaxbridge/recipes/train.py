@@ -26,13 +26,15 @@ def prepare(cfg, device):
   """
   torch.manual_seed(cfg["train"]["seed"])
   model = llama.build(cfg["model"]).to(device)
+  remat = config.remat_setting(cfg)
+  if cfg["remat"]["stack_layers"]:  # before sharding: the stacks are the parameters to shard
+    model.layers = jb.StackedLayers(model.layers, remat=remat)
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
   if mesh is not None:
     sharding.shard_model(model, mesh)
-  remat = config.remat_setting(cfg)
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
-  elif cfg["remat"]["bridge"] == "layers":
+  elif cfg["remat"]["bridge"] == "layers" and not cfg["remat"]["stack_layers"]:
     model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
   return model
 

@@ -24,6 +24,7 @@ MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_la
          "ours BridgeModule(whole stack) remat=dots_no_batch" + stack_bench.FUSED_SGD,
          "ours StackedLayers" + stack_bench.FUSED_SGD,
          "ours StackedLayers remat=full" + stack_bench.FUSED_SGD,
+         "ours StackedLayers remat=dots_no_batch" + stack_bench.FUSED_SGD,
          "native jax.jit"]
 
 

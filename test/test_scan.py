@@ -261,3 +261,8 @@ def test_stacked_layers_errors(dev):
   with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: layers\[1\] 'weight' is "
                      r"parameter \(2, 4\) torch.float32"):
     jb.StackedLayers([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+  shared = torch.nn.Linear(4, 4)
+  with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: layers\[2\] 'weight' is "
+                     r"the same parameter as layers\[0\] 'weight'; stacking would give each "
+                     r"layer its own copy"):
+    jb.StackedLayers([shared, torch.nn.Linear(4, 4), shared])

@@ -151,6 +151,7 @@ class StackedLayers(torch.nn.Module):
     if not layers:
       raise errors.BadArgumentError("StackedLayers: layers is empty; give at least one layer.")
     _check_identical(layers, "StackedLayers")
+    _check_unshared(layers)
     remat_policies.policy_for(remat)  # validates `remat`
     self.count, self.remat = len(layers), remat
     self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
@@ -181,6 +182,19 @@ class StackedLayers(torch.nn.Module):
 
   def extra_repr(self):
     return f"count={self.count}, remat={self.remat!r}"
+
+
+def _check_unshared(layers):
+  """Layers sharing a parameter would each get their own copy in the stack: refused."""
+  owner = {}
+  for i, layer in enumerate(layers):
+    for name, param in layer.named_parameters():
+      first = owner.setdefault(id(param), (i, name))
+      if first[0] != i:
+        raise errors.BadArgumentError(
+            f"StackedLayers: layers[{i}] {name!r} is the same parameter as layers[{first[0]}] "
+            f"{first[1]!r}; stacking would give each layer its own copy. Use jb.scan_layers "
+            f"for layers that share parameters.")
 
 
 def _tensor_at(module, name, kind):

@@ -57,10 +57,11 @@ def test_stacked_layers_keep_the_checkpoint_keys_of_the_layer_list():
   plain = train.prepare(config.load(), torch_xla.device())
   stacked = train.prepare(config.load(["remat.stack_layers=true"]), torch_xla.device())
   assert isinstance(stacked.layers, train.jb.StackedLayers)
-  assert list(stacked.state_dict()) == list(plain.state_dict())
-  for key, value in stacked.state_dict().items():  # same seed: the same values
-    assert torch.equal(value.cpu(), plain.state_dict()[key].cpu()), key
-  plain.load_state_dict(stacked.state_dict())
+  stacked_state, plain_state = stacked.state_dict(), plain.state_dict()
+  assert list(stacked_state) == list(plain_state)
+  for key, value in stacked_state.items():  # same seed: the same values
+    assert torch.equal(value.cpu(), plain_state[key].cpu()), key
+  plain.load_state_dict(stacked_state)
 
 
 def test_bad_config_stops_before_any_build(capsys, monkeypatch):

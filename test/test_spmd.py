@@ -124,9 +124,15 @@ def test_bad_input_is_a_clear_error(facts, case, message):
   assert found[case] is not None and re.search(message, found[case]), found[case]
 
 
-def test_recipe_fsdp4_matches_the_one_device_run(facts, tmp_path):
-  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
-                                        f"out={tmp_path}"]), log=lambda line: None)
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  """The default recipe's first 3 losses on one device."""
+  return train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
+                                  f"out={tmp_path_factory.mktemp('one_device')}"]),
+                     log=lambda line: None)
+
+
+def test_recipe_fsdp4_matches_the_one_device_run(facts, one_device):
   found = part(facts, "recipe")
   assert found["losses"] == pytest.approx(one_device, rel=TOL)
   assert one_device[2] < one_device[0]
@@ -144,9 +150,7 @@ def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, tmp_pat
   assert all(s != "{replicated}" for s in found["param_shardings"].values())
 
 
-def test_recipe_fsdp4_with_stacked_layers_matches_the_one_device_run(facts, tmp_path):
-  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
-                                        f"out={tmp_path}"]), log=lambda line: None)
+def test_recipe_fsdp4_with_stacked_layers_matches_the_one_device_run(facts, one_device):
   found = part(facts, "recipe_stacked")
   assert found["losses"] == pytest.approx(one_device, rel=TOL)
   stacks = {n: s for n, s in found["param_shardings"].items() if n.startswith("layers.")}

@@ -111,6 +111,7 @@ class _LayerStack:
   def _check(self):
     _check_identical([ref() for ref in self.refs])
 
+
 def _bridged_scan(template, structure, remat):
   """The scan's bridged function, shared by stacks of one structure and remat policy."""
   table, key = (_BY_STRUCTURE, (structure, remat)) if structure is not None else (
@@ -158,15 +159,12 @@ class StackedLayers(torch.nn.Module):
     stacked = {}  # a tensor tied between two names stays one stack
     for kind in ("_parameters", "_buffers"):
       for name, sub in self.layer.named_modules(remove_duplicate=False):
-        for key, value in getattr(sub, kind).items():
-          if value is not None and id(value) not in stacked:
-            full = f"{name}.{key}" if name else key
-            values = [_tensor_at(layer, full, kind) for layer in layers]
-            stack = torch.stack([v.detach() for v in values])
-            stacked[id(value)] = (torch.nn.Parameter(stack, value.requires_grad)
-                                  if kind == "_parameters" else stack)
-          if value is not None:
-            getattr(sub, kind)[key] = stacked[id(value)]
+        tensors = getattr(sub, kind)
+        for key, value in [(k, v) for k, v in tensors.items() if v is not None]:
+          if id(value) not in stacked:
+            stacked[id(value)] = _stack_over(layers, f"{name}.{key}" if name else key, kind,
+                                             value.requires_grad)
+          tensors[key] = stacked[id(value)]
     self._walk = autograd._StateWalk(self.layer)
     self.register_state_dict_post_hook(_per_layer_keys)
     self.register_load_state_dict_pre_hook(_stacked_keys)
@@ -197,9 +195,11 @@ def _check_unshared(layers):
             f"for layers that share parameters.")
 
 
-def _tensor_at(module, name, kind):
+def _stack_over(layers, name, kind, requires_grad):
+  """The parameter (kind "_parameters") or buffer `name` of every layer, stacked."""
   path, _, key = name.rpartition(".")
-  return getattr(module.get_submodule(path), kind)[key]
+  stack = torch.stack([getattr(l.get_submodule(path), kind)[key].detach() for l in layers])
+  return torch.nn.Parameter(stack, requires_grad) if kind == "_parameters" else stack
 
 
 def _per_layer_keys(module, state_dict, prefix, local_metadata):
@@ -214,8 +214,7 @@ def _per_layer_keys(module, state_dict, prefix, local_metadata):
 def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,
                   unexpected_keys, error_msgs):
   """load_state_dict hook: the layer list's `<i>.<name>` entries stacked as `layer.<name>`."""
-  names = [k[len("layer."):] for k in module.layer.state_dict(prefix="layer.")]
-  for name in names:
+  for name in module.layer.state_dict():
     keys = [f"{prefix}{i}.{name}" for i in range(module.count)]
     present = [k for k in keys if k in state_dict]
     if present and len(present) < len(keys):

@@ -5,12 +5,16 @@ whole stack (one bridged call), our scan_layers, our StackedLayers (parameters s
 scan), and the same model converted by torchax and run
 as native `jax.jit(grad)` (the ceiling for this design). Columns: compile time (warm-up), first
 step, host time per step (trace and dispatch, before `torch_xla.sync()`), step time (median),
-compiles after warm-up (must be 0), loss after the run; host time is also split into forward,
-backward and optimizer. Pre-norm decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's,
+page faults per step (first touches of freshly mapped memory: on these VMs they are a large
+part of the step), compiles after warm-up (must be 0), loss after the run; host time is also split
+into forward, backward and optimizer. `--hugepage-malloc` runs every mode with glibc's large
+blocks on transparent huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`), which takes most
+of the page faults away. Pre-norm decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's,
 foreach; our modes also with jb.optim.SGD, one node per step). Prints a table and writes JSON
 (default out/bench_step.json).
 
-  python scripts/bench_step.py [--layers 8 32] [--steps 5] [--modes ...] [--json PATH]
+  python scripts/bench_step.py [--layers 8 32] [--steps 5] [--modes ...] [--hugepage-malloc]
+                               [--json PATH]
 """
 import argparse
 import json
@@ -33,16 +37,18 @@ def main():
   parser.add_argument("--layers", type=int, nargs="+", default=[8, 32])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--modes", nargs="+", default=MODES)
+  parser.add_argument("--hugepage-malloc", action="store_true")
   parser.add_argument("--json", default="out/bench_step.json")
   opts = parser.parse_args()
+  env = stack_bench.HUGEPAGE_MALLOC if opts.hugepage_malloc else None
   rows = []
   for layers in opts.layers:
     for mode in opts.modes:
-      row = stack_bench.run_isolated(mode, layers, opts.steps)
+      row = stack_bench.run_isolated(mode, layers, opts.steps, env)
       rows.append(row)
       print(row, flush=True)
   head = ("layers", "compile_s", "host_ms", "host_forward_ms", "host_backward_ms",
-          "host_optimizer_ms", "step_ms", "compiles_after_warmup", "loss")
+          "host_optimizer_ms", "step_ms", "page_faults", "compiles_after_warmup", "loss")
   print("\n" + f"{'mode':>48}" + "".join(f"{h[:18]:>19}" for h in head))
   for r in rows:
     print(f"{r['mode']:>48}" + "".join(f"{str(r.get(h)):>19}" for h in head))
@@ -62,7 +68,8 @@ def main():
     print(f"  {k}: {v}")
   os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
   with open(opts.json, "w") as f:
-    json.dump({"config": stack_bench.CONFIG, "rows": rows, "ratios": summary}, f, indent=2)
+    json.dump({"config": {**stack_bench.CONFIG, "environment": env or {}}, "rows": rows,
+               "ratios": summary}, f, indent=2)
 
 
 if __name__ == "__main__":

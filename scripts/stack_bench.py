@@ -8,6 +8,8 @@ ms after seven other modes) and shared compiled programs and caches.
   python scripts/stack_bench.py MODE LAYERS STEPS   # one row as JSON, on the last line
 """
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -95,25 +97,39 @@ def native_jax(layers, steps):
   loss, params = step(params)
   jax.block_until_ready(params)
   first = time.perf_counter() - start
-  times = []
+  times, faults = [], []
   for _ in range(steps + 1):
-    start = time.perf_counter()
+    before, start = page_faults(), time.perf_counter()
     loss, params = step(params)
     jax.block_until_ready(params)
     times.append((time.perf_counter() - start) * 1e3)
+    faults.append(page_faults() - before)
   return {"mode": "native jax.jit", "layers": layers, "compile_s": round(first, 2),
           "first_step_s": round(first, 2), "host_ms": None,
-          "step_ms": round(statistics.median(times[1:]), 1), "compiles_after_warmup": 0,
+          "step_ms": round(statistics.median(times[1:]), 1),
+          "page_faults": int(statistics.median(faults[1:])), "compiles_after_warmup": 0,
           "loss": round(float(loss), 6)}
 
 
-def run_isolated(mode, layers, steps):
-  """`run` (or `native_jax`) in a fresh Python process; returns its result row."""
+HUGEPAGE_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def run_isolated(mode, layers, steps, env=None):
+  """`run` (or `native_jax`) in a fresh Python process, with `env` added to its environment (e.g.
+  `HUGEPAGE_MALLOC`: glibc backs its large blocks with transparent huge pages); returns its
+  result row."""
   done = subprocess.run([sys.executable, __file__, mode, str(layers), str(steps)],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True, env={**os.environ, **(env or {})})
   if done.returncode != 0:
     raise RuntimeError(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def page_faults():
+  """Minor page faults of this process so far: each first touch of a freshly mapped page. XLA:CPU
+  allocates a program's buffers anew on every run, and glibc maps blocks of 32 MiB and more
+  freshly each time, so this counts what a step pays for memory it gets new."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def compiles():
@@ -134,9 +150,9 @@ def run(mode, layers, steps):
   torch_xla.sync()  # the model's set-up (e.g. stacking) is not part of the step's compile
   before = compiles()
   parts = {"forward": [], "backward": [], "optimizer": []}
-  host, times, loss = [], [], None
+  host, times, faults, loss = [], [], [], None
   for step in range(steps + 2):
-    start = time.perf_counter()
+    faulted, start = page_faults(), time.perf_counter()
     loss = forward(x).pow(2).mean()
     forwarded = time.perf_counter()
     loss.backward()
@@ -154,6 +170,7 @@ def run(mode, layers, steps):
     if step >= 2:
       host.append((traced - start) * 1e3)
       times.append((done - start) * 1e3)
+      faults.append(page_faults() - faulted)
       for part, (a, b) in zip(parts, ((start, forwarded), (forwarded, backwarded),
                                       (backwarded, traced))):
         parts[part].append((b - a) * 1e3)
@@ -161,7 +178,8 @@ def run(mode, layers, steps):
   return {"mode": mode, "layers": layers, "compile_s": round((warm[1] - before[1]) / 1e9, 2),
           "first_step_s": round(first_s, 2), "host_ms": round(statistics.median(host), 2),
           **{f"host_{k}_ms": round(statistics.median(v), 2) for k, v in parts.items()},
-          "step_ms": round(statistics.median(times), 1), "compiles_after_warmup": after[0] - warm[0],
+          "step_ms": round(statistics.median(times), 1), "page_faults": int(statistics.median(faults)),
+          "compiles_after_warmup": after[0] - warm[0],
           "loss": round(loss.item(), 6)}
 
 

@@ -393,3 +393,44 @@ def test_an_input_changed_before_the_backward_is_an_error_not_a_stale_gradient(d
     jb.optim.SGD(layer.parameters(), lr=0.1).step()
   with pytest.raises(RuntimeError, match="modified by an inplace operation"):
     out.sum().backward()
+
+
+@pytest.mark.parametrize("shape", [(8,), (3, 8), (2, 3, 8), (2, 2, 3, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_on_inputs_of_any_rank(dev, shape, bias):
+  check_module(torch.nn.Linear(8, 4, bias=bias), torch.randn(*shape), dev=dev)
+
+
+def test_linear_weight_gradient_is_a_two_dimensional_matmul():
+  _, backward = jb.lower_bridged(torch.nn.Linear(8, 4), torch.ones(2, 3, 8), platform="cpu")
+  weight_grads = [line for line in backward.splitlines()
+                  if "dot_general" in line and line.rstrip().endswith("-> tensor<4x8xf32>")]
+  assert len(weight_grads) == 1, backward
+  assert "(tensor<6x4xf32>, tensor<6x8xf32>)" in weight_grads[0]  # leading dims folded
+
+
+class _SharedInput(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.q, self.k, self.v = (torch.nn.Linear(8, 4) for _ in range(3))
+
+  def forward(self, x):
+    return self.q(x) * self.k(x) + self.v(x)
+
+
+def test_linears_sharing_an_input_keep_one_copy_of_it(dev):
+  report = jb.saved_residuals(_SharedInput(), torch.ones(2, 3, 8, requires_grad=True))
+  assert [r.shape for r in report.rows].count((6, 8)) == 1, str(report)
+  check_module(_SharedInput(), torch.randn(2, 3, 8), dev=dev)
+
+
+def test_linear_forward_mode_derivative():
+  import jax
+  import numpy as np
+
+  fn, params = jb.jaxify(torch.nn.Linear(8, 4))
+  x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+  dx, dw = np.ones_like(x), np.full((4, 8), 0.5, np.float32)
+  _, tangent = jax.jvp(lambda x, w: fn({**params, "weight": w}, x), (x, params["weight"]),
+                       (dx, dw))
+  np.testing.assert_allclose(tangent, dx @ np.asarray(params["weight"]).T + x @ dw.T, rtol=1e-5)

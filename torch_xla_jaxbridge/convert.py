@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import traceback
+import weakref
 
 import torch
 
@@ -62,6 +63,7 @@ def environment():
         torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
     env.override_op_definition(op, _batch_norm)
+  env.override_op_definition(torch.nn.functional.linear, _linear)
   for op, impl in _OP_OVERRIDES.items():
     env.override_op_definition(op, impl)
   control_flow.install()
@@ -118,6 +120,66 @@ def to_torchax(tree):
 
   return jax.tree.map(
       lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
+
+
+def _linear(input, weight, bias=None):
+  """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
+  together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
+  dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it (a
+  quarter of a decoder stack's backward, on one core). The forward is torchax's einsum."""
+  tensor = torchax_tensor_type()
+  if not all(isinstance(t, tensor) for t in (input, weight, bias) if t is not None):
+    out = torch.matmul(input, weight.t())  # torchax says what is wrong with the others
+    return out if bias is None else out + bias
+  out = _folded_linear()(input._elem, _fold(input._elem), weight._elem)
+  if bias is not None:
+    out = out + bias._elem
+  return tensor(out, input._env)
+
+
+@functools.cache
+def _folded_linear():
+  jax = runtime.jax_module()
+  einsum = lambda x, w: jax.numpy.einsum("...a,ba->...b", x, w)  # noqa: E731
+
+  @jax.custom_jvp
+  def linear(x, folded, w):  # `folded` is `x` as 2-D; only the weight's tangent reads it
+    return einsum(x, w)
+
+  @linear.defjvp
+  def linear_jvp(primals, tangents):
+    (x, folded, w), (dx, _, dw) = primals, tangents
+    by_weight = jax.numpy.dot(folded, dw.T).reshape(*x.shape[:-1], w.shape[0])
+    return einsum(x, w), einsum(dx, w) + by_weight
+
+  return linear
+
+
+def _fold(x):
+  """`x` with its leading dimensions folded: the same array for the same `x` within one trace, so
+  linears sharing an input (q, k, v) keep one copy of it for the backward. The folds are kept on
+  the trace, so they end with it; on a jaxpr trace's frame only weakly (the frame keeps its
+  values alive itself, and JAX reports any other holder as a leak)."""
+  from jax._src import core
+
+  if not isinstance(x, core.Tracer):
+    return x.reshape(-1, x.shape[-1])
+  trace = core.trace_ctx.trace
+  frame = getattr(trace, "frame", None)
+  holder, hold = (trace, lambda v: lambda: v) if frame is None else (frame, weakref.ref)
+  folds = getattr(holder, "_bridge_folds", None)
+  if folds is None:
+    folds = {}
+    try:
+      holder._bridge_folds = folds
+    except AttributeError:  # a trace kind with fixed attributes: fold without sharing
+      pass
+  cached = folds.get(id(x))
+  if cached is not None and cached[0]() is x and cached[1]() is not None:
+    return cached[1]()
+  folded = x.reshape(-1, x.shape[-1])
+  folds[id(x)] = (hold(x), hold(folded))
+  return folded
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):

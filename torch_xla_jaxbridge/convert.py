@@ -125,8 +125,8 @@ def to_torchax(tree):
 def _linear(input, weight, bias=None):
   """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
   together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
-  dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it (a
-  quarter of a decoder stack's backward, on one core). The forward is torchax's einsum."""
+  dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it (about
+  a quarter of a decoder stack's training step, on one core). The forward is torchax's einsum."""
   tensor = torchax_tensor_type()
   if not all(isinstance(t, tensor) for t in (input, weight, bias) if t is not None):
     out = torch.matmul(input, weight.t())  # torchax says what is wrong with the others

@@ -20,8 +20,9 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torchax, torch_xla, jax; print('stack:', 'torchax', torchax.__version__, 'jax', jax.__version__)"
 	touch $@
 
+# the test suite and every docstring example of the package
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" test
+	$(PY) -m pytest -q -m "not slow" test --doctest-modules torch_xla_jaxbridge
 
 slow: $(STAMP)
 	$(PY) -m pytest -q -m slow test

@@ -19,7 +19,7 @@ import jax
 import torch
 import torch_xla
 
-from torch_xla_jaxbridge import residuals
+from torch_xla_jaxbridge import inspection
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer, Llama
 
 POLICIES = [None, "dots", "dots_no_batch", "minimal", "minimal_offloaded", "full"]
@@ -28,10 +28,10 @@ BATCH, SEQ, DIM, LAYERS = 4, 64, 128, 4
 
 def temp_bytes(module, args, remat):
   """Compiled temp memory of value_and_grad over the bridged forward, on XLA:CPU."""
-  bridged, spec, diff, other, key, _ = residuals._abstract_call(module, args, {}, remat)
+  bridged, spec, diff, other, key, _ = inspection.abstract_call(module, args, {}, remat)
 
   def loss(d, o, k):
-    run = lambda *dd: bridged._run(spec, dd, o, k)[0]  # noqa: E731
+    run = lambda *dd: bridged.run(spec, dd, o, k)[0]  # noqa: E731
     if bridged.policy is not None:
       run = jax.checkpoint(run, policy=bridged.policy)
     return sum(x.sum() for x in run(*d))

@@ -191,8 +191,8 @@ def test_unhashable_static_is_named(dev):
   class Config:
     __hash__ = None
 
-  with pytest.raises(errors.BadArgumentError, match=r"args\[1\]\['cfg'\]: static argument of "
-                     r"type Config is not hashable"):
+  with pytest.raises(errors.BadArgumentError, match=r"_lambda_: args\[1\]\['cfg'\] is a Config, "
+                     r"which is not hashable"):
     jb.call_jax(lambda a, opts: a, (xla(A, dev), {"cfg": Config()}))
 
 

@@ -1,29 +1,25 @@
 """`call_jax`: run a JAX function on XLA tensors as one node of the LazyTensor graph."""
 import inspect
 import re
+from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
-from torch_xla_jaxbridge import dtypes, errors, lowering, runtime
+from torch_xla_jaxbridge import _compat, dtypes, errors, lowering, plain, runtime
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
 _jax = None
-_trace_context = None
 _user_computation = None
 
 
 def _load():
-  global _jax, _trace_context, _user_computation
+  global _jax, _user_computation
   _jax = runtime.jax_module()
-  import torch_xla
-  from jax._src import config as jax_config
-
-  _trace_context = jax_config.trace_context
-  _user_computation = torch_xla._XLAC._xla_user_computation
+  _user_computation = _compat.xlac()._xla_user_computation
 
 
-def call_jax(jax_func, args, kwargs=None, name=None):
+def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
+             name: Optional[str] = None) -> Any:
   """Calls `jax_func(*args, **kwargs)` on XLA tensors, as one node of the LazyTensor graph.
 
   Tensors anywhere in the `args`/`kwargs` pytrees reach `jax_func` as `jax.Array`s; every other
@@ -63,18 +59,15 @@ def call_jax(jax_func, args, kwargs=None, name=None):
   try:
     hash(static_key)
   except TypeError:  # an unhashable static leaf: key it by value, or say which one
-    static_key = _static_keys(statics, (args, kwargs))
+    static_key = static_keys(statics, (args, kwargs), function_name(jax_func, name))
   signature = (name, treedef, tuple([(t.shape, t.dtype, t.is_xla) for t in tensors]), static_key,
-               _trace_context(), captured)
+               _compat.trace_context(), captured)
   entry = lowering.CACHE.lookup(anchor, subkey, signature)
   if entry is None:
     entry = _trace(jax_func, anchor, subkey, signature, (args, kwargs), tensors, statics, treedef,
                    name)
   outputs = _user_computation(entry.op_name, tensors, entry.computation)
   return entry.out_tree.unflatten(outputs)
-
-
-_PLAIN_VALUES = (int, float, complex, bool, str, bytes, type(None), torch.dtype)
 
 
 def _cache_anchor(fn):
@@ -90,41 +83,28 @@ def _cache_anchor(fn):
   code = getattr(fn, "__code__", None)
   if code is not None and (fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__):
     try:
-      captured = _plain(tuple(c.cell_contents for c in fn.__closure__ or ()))
-      defaults = _plain((fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items()))))
-    except (_NotPlain, ValueError):  # ValueError: an empty cell
+      captured = plain.key(tuple(c.cell_contents for c in fn.__closure__ or ()))
+      defaults = plain.key((fn.__defaults__, fn.__kwdefaults__ or {}))
+    except (plain.NotPlain, ValueError):  # ValueError: an empty cell
       return fn, None, None
     return code, id(fn.__globals__), (captured, defaults)
   return fn, None, None
 
 
-class _NotPlain(Exception):
-  pass
+def static_keys(statics, tree, caller):
+  """The cache keys of the leaves of `tree` (`statics`: a static value or the tensor marker at
+  each position), by `plain.static_key`; an unhashable one is an error naming its path.
 
-
-def _plain(value):
-  if type(value) in _PLAIN_VALUES:
-    return (type(value), value)
-  if type(value) is tuple:
-    return tuple(_plain(v) for v in value)
-  raise _NotPlain
-
-
-def _static_keys(statics, tree):
+  Example:
+    >>> static_keys([2, "a"], ((2, "a"), None), "f") == static_keys([2, "a"], ((2, "a"), None), "f")
+    True
+  """
   keys = []
-  paths = None
   for i, s in enumerate(statics):
     try:
-      hash(s)
-      keys.append((type(s), s))
-    except TypeError:
-      if isinstance(s, np.ndarray):
-        keys.append((np.ndarray, s.dtype.str, s.shape, s.tobytes()))
-        continue
-      paths = paths or _leaf_paths(tree)
-      raise errors.BadArgumentError(
-          f"{paths[i]}: static argument of type {type(s).__name__} is not hashable, so it cannot "
-          f"key the trace cache. Pass it as a tensor, a tuple, or a hashable value.") from None
+      keys.append((object, s) if s is _TENSOR else plain.static_key(s))
+    except plain.NotPlain:
+      raise plain.unhashable_error(caller, _leaf_paths(tree)[i], s) from None
   return tuple(keys)
 
 
@@ -142,7 +122,7 @@ def path_name(path):
 
 def _leaf_paths(tree):
   """Readable names of the leaves of `(args, kwargs)`."""
-  with_path, _ = _jax.tree_util.tree_flatten_with_path(tree)
+  with_path, _ = runtime.jax_module().tree_util.tree_flatten_with_path(tree)
   return tuple(path_name(path) for path, _ in with_path)
 
 
@@ -172,7 +152,7 @@ def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef,
     out_leaves, out_tree = _jax.tree.flatten(jax_func(*args, **(kwargs or {})))
     return [dtypes.torch_compatible(_jax, x) for x in out_leaves], out_tree
 
-  enable_x64 = any(t.dtype in dtypes.SIXTY_FOUR_BIT for t in tensors)
+  enable_x64 = dtypes.needs_x64([t.dtype for t in tensors])
   try:
     computation, out_tree = lowering.lower(flat_fn, avals, op_name=f"xla::{fn_name}",
                                            enable_x64=enable_x64)

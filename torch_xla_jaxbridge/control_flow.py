@@ -6,77 +6,78 @@ Outside bridged code the same calls run torch's own implementations.
 """
 import contextlib
 import functools
+from typing import Any, Callable
 
 import torch
 
-from torch_xla_jaxbridge import errors, runtime
+from torch_xla_jaxbridge import _compat, errors, patching, runtime, tracing
 
 
 @functools.cache
-def install():
-  """Registers the lowering of torch's `cond` and `while_loop` for torchax tensors (once).
-
-  Example:
-    >>> install()
-  """
-  import torchax.tensor
+def _install():
+  """Registers the lowering of torch's `cond` and `while_loop` for torchax tensors (once)."""
   from torch._higher_order_ops.cond import cond_op
   from torch._higher_order_ops.while_loop import while_loop_op
 
-  cond_op.py_impl(torchax.tensor.XLADispatchMode)(_cond)
-  while_loop_op.py_impl(torchax.tensor.XLADispatchMode)(_while_loop)
+  _compat.register_higher_order_rule(cond_op, _cond)
+  _compat.register_higher_order_rule(while_loop_op, _while_loop)
+
+
+def _dynamo_compiling():
+  return _OPERATORS_DIRECT.active() or _OPERATORS_DIRECT.original("is_dynamo_compiling")()
+
+
+# In a thread that traces bridged code, `torch.cond` and `torch.while_loop` call their operators
+# directly, as they do under torch.compile, instead of compiling themselves with Dynamo (which,
+# run on torchax tensors, would leave Dynamo caches that break later eager calls).
+_OPERATORS_DIRECT = patching.Patch(lambda: [torch.compiler],
+                                   {"is_dynamo_compiling": _dynamo_compiling})
 
 
 @contextlib.contextmanager
-def operators_direct():
-  """Within this context `torch.cond` and `torch.while_loop` call their operators directly, as
-  they do under torch.compile, instead of compiling themselves with Dynamo (which, run on torchax
-  tensors, would leave Dynamo caches that break later eager calls).
+def traced_control_flow():
+  """Around traced torch code: torch's control-flow operators run as JAX's.
 
   Example:
-    >>> with operators_direct():
-    ...   pass
+    >>> with traced_control_flow():
+    ...   torch.compiler.is_dynamo_compiling()
+    True
   """
-  before = torch.compiler.is_dynamo_compiling
-  torch.compiler.is_dynamo_compiling = lambda: True
-  try:
+  _install()
+  with _OPERATORS_DIRECT:
     yield
-  finally:
-    torch.compiler.is_dynamo_compiling = before
+
+
+tracing.register_trace_context(traced_control_flow)
 
 
 def _traced(fn, mode=None):
   """A torch function on torchax tensors as a function on JAX arrays."""
-  from torch_xla_jaxbridge import convert
 
   def run(*arrays):
     # torch pops the dispatch mode while it runs a rule for it; put it back for the branch
     with mode if mode is not None else contextlib.nullcontext():
-      return convert.to_jax(fn(*convert.to_torchax(arrays)))
+      return tracing.to_jax(fn(*tracing.to_torchax(arrays)))
 
   return run
 
 
 def _cond(mode, pred, true_fn, false_fn, operands):
-  from torch_xla_jaxbridge import convert
-
   jax = runtime.jax_module()
-  predicate = convert.to_jax(pred)
+  predicate = tracing.to_jax(pred)
   if hasattr(predicate, "shape") and predicate.shape not in ((), (1,)):
     raise errors.BadArgumentError(
         f"torch.cond: the predicate must be one boolean (a 0-d tensor), got shape "
         f"{tuple(predicate.shape)}; reduce it first, e.g. `(x > 0).all()`.")
   predicate = jax.numpy.reshape(predicate, ()).astype(bool)
   out = jax.lax.cond(predicate, _traced(true_fn, mode), _traced(false_fn, mode),
-                     *convert.to_jax(tuple(operands)))
-  return convert.to_torchax(out)
+                     *tracing.to_jax(tuple(operands)))
+  return tracing.to_torchax(out)
 
 
 def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
-  from torch_xla_jaxbridge import convert
-
   jax = runtime.jax_module()
-  extra = convert.to_jax(tuple(additional_inputs))
+  extra = tracing.to_jax(tuple(additional_inputs))
   test, step = _traced(cond_fn, mode), _traced(body_fn, mode)
 
   def keep_going(carry):
@@ -85,11 +86,11 @@ def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
   def advance(carry):
     return tuple(step(*carry, *extra))
 
-  carried = tuple(convert.to_jax(tuple(carried_inputs)))
-  return convert.to_torchax(jax.lax.while_loop(keep_going, advance, carried))
+  carried = tuple(tracing.to_jax(tuple(carried_inputs)))
+  return tracing.to_torchax(jax.lax.while_loop(keep_going, advance, carried))
 
 
-def fori_loop(lower, upper, body, init):
+def fori_loop(lower: int, upper: int, body: Callable, init: Any) -> Any:
   """`for i in range(lower, upper): value = body(i, value)`, differentiable in bridged code.
 
   Inside bridged code the loop is one `jax.lax.fori_loop` (a scan: the trip count `upper -
@@ -106,15 +107,12 @@ def fori_loop(lower, upper, body, init):
         f"fori_loop: lower and upper must be Python ints (got {type(lower).__name__}, "
         f"{type(upper).__name__}); for a trip count known only at run time use "
         f"torch._higher_order_ops.while_loop.while_loop (forward-only in bridged code).")
-  from torch_xla_jaxbridge import convert
-
   leaves = init if isinstance(init, tuple) else (init,)
-  torchax_tensor = convert.torchax_tensor_type()
-  if torchax_tensor is None or not any(isinstance(t, torchax_tensor) for t in leaves):
+  if not any(tracing.is_traced(t) for t in leaves):
     value = init
     for i in range(lower, upper):
       value = body(i, value)
     return value
   jax = runtime.jax_module()
-  looped = jax.lax.fori_loop(lower, upper, _traced(body), convert.to_jax(init))
-  return convert.to_torchax(looped)
+  looped = jax.lax.fori_loop(lower, upper, _traced(body), tracing.to_jax(init))
+  return tracing.to_torchax(looped)

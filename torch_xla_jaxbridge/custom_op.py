@@ -9,11 +9,12 @@ DLPack; its gradient is a second op, the `jax.vjp` of the function. Inside bridg
 trace instead.
 """
 import functools
+from typing import Callable
 
 import numpy as np
 import torch
 
-from torch_xla_jaxbridge import call, convert, dlpack, dtypes, errors, runtime
+from torch_xla_jaxbridge import call, dlpack, dtypes, errors, runtime, tracing
 
 _LIBRARIES = {}  # namespace -> torch.library.Library (kept alive: dropping one unregisters ops)
 _DEFAULT_NAMESPACE = "jaxbridge"
@@ -34,7 +35,7 @@ class JaxOp:
     self.op = _define(namespace, short, self._flat_call)
     self._vjp = _define(namespace, short + "_vjp", self._flat_vjp)
     torch.library.register_autograd(self.op, self._backward, setup_context=_save_for_backward)
-    convert.override_op(self.op, self._inline)
+    tracing.register_op_override(self.op, self._inline)
     functools.update_wrapper(self, jax_func)
 
   def __call__(self, *tensors):
@@ -93,10 +94,10 @@ class JaxOp:
 
   def _inline(self, tensors):
     """The op inside a torchax trace: the JAX function runs on the traced arrays directly."""
-    return convert.to_torchax(self._flat_call(convert.to_jax(list(tensors))))
+    return tracing.to_torchax(self._flat_call(tracing.to_jax(list(tensors))))
 
 
-def jax_op(jax_func, *, name):
+def jax_op(jax_func: Callable, *, name: str) -> JaxOp:
   """Registers `jax_func` as a torch custom op and returns a callable that takes torch tensors.
 
   The callable takes the function's positional arguments as tensors (CPU or XLA) and returns a

@@ -8,15 +8,16 @@ is detached (the result is outside autograd).
 """
 import functools
 import warnings
+from typing import Any
 
 import torch
 
-from torch_xla_jaxbridge import errors, runtime
+from torch_xla_jaxbridge import _compat, errors, runtime
 
 _ALIGNMENT = 64  # bytes: PJRT's CPU client aliases host buffers aligned like this, copies others
 
 
-def xla_to_jax(tensor):
+def xla_to_jax(tensor: torch.Tensor) -> Any:
   """The `jax.Array` sharing `tensor`'s device buffer (an XLA tensor; pending work is run first).
 
   Example:
@@ -31,7 +32,7 @@ def xla_to_jax(tensor):
   return fast(capsule) if fast is not None else jax.dlpack.from_dlpack(capsule)
 
 
-def jax_to_xla(array):
+def jax_to_xla(array: Any) -> torch.Tensor:
   """The XLA tensor sharing `array`'s buffer.
 
   Example:
@@ -47,7 +48,7 @@ def jax_to_xla(array):
   return xla_dlpack.from_dlpack(array)
 
 
-def xla_to_cpu(tensor):
+def xla_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
   """The CPU tensor sharing `tensor`'s buffer (an XLA tensor on the CPU PJRT device).
 
   Example:
@@ -58,7 +59,7 @@ def xla_to_cpu(tensor):
   return torch.utils.dlpack.from_dlpack(_exported(tensor, "xla_to_cpu"))
 
 
-def cpu_to_xla(tensor):
+def cpu_to_xla(tensor: torch.Tensor) -> torch.Tensor:
   """The XLA tensor sharing a CPU tensor's memory (copied, with a warning, when it cannot).
 
   Example:
@@ -100,12 +101,9 @@ def unshareable(tensor):
 
 @functools.cache
 def _cpu_import():
-  """JAX's own DLPack import onto its CPU device (4 us), or None off CPU PJRT or where this JAX
-  lacks it. `jax.dlpack.from_dlpack` wraps the same call in `jnp.asarray` and backend lookups
-  that cost 50-90 us per call."""
-  from jax._src.lib import xla_client
-
-  to_buffer = getattr(xla_client._xla, "dlpack_managed_tensor_to_buffer", None)
+  """JAX's own DLPack import onto its CPU device, or None off CPU PJRT or where this JAX lacks it
+  (`jax.dlpack.from_dlpack` wraps the same call in slower conversions; docs/performance.md)."""
+  to_buffer = _compat.dlpack_cpu_import()
   if to_buffer is None or runtime.lowering_platform() != "cpu":
     return None
   device = runtime.jax_module().devices("cpu")[0]
@@ -114,7 +112,6 @@ def _cpu_import():
 
 def _exported(tensor, name):
   """A DLPack capsule of an XLA tensor, after running any pending work that produces it."""
-  import torch_xla
   from torch_xla.utils import dlpack as xla_dlpack
 
   if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:
@@ -123,5 +120,5 @@ def _exported(tensor, name):
         f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
         f"use cpu_to_xla for CPU tensors.")
   tensor = tensor.detach()
-  torch_xla._XLAC._xla_sync_multi([tensor], [], True)  # ~10 us when nothing is pending
+  _compat.xlac()._xla_sync_multi([tensor], [], True)  # cheap when nothing is pending
   return xla_dlpack.to_dlpack(tensor)

@@ -26,11 +26,25 @@ def _table():
 
 TORCH_TO_JAX = _table()
 JAX_TO_TORCH = {v: k for k, v in TORCH_TO_JAX.items()}
-SIXTY_FOUR_BIT = frozenset({torch.float64, torch.int64, torch.complex128})
 # torch_xla hands XLA's unsigned results to torch as signed tensors of the same width; bitcast so
 # that the tensor's data and its torch dtype agree.
 UNSIGNED_AS_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32):
                       np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
+
+
+def needs_x64(dtypes):
+  """Whether values of these dtypes (torch or JAX) need JAX's 64-bit mode: any 8-byte element
+  type (float64, int64, uint64, complex128), the one rule for every trace and lowering.
+
+  Example:
+    >>> needs_x64([torch.float32, torch.int64]), needs_x64([np.dtype("complex64")])
+    (True, False)
+  """
+  for dtype in dtypes:
+    dtype = to_jax(dtype) if isinstance(dtype, torch.dtype) else np.dtype(dtype)
+    if dtype.itemsize == (16 if dtype.kind == "c" else 8):
+      return True
+  return False
 
 
 def to_jax(dtype, where="dtype"):

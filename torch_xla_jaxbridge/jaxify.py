@@ -1,10 +1,12 @@
 """`jaxify`: torch code as a pure JAX function, so `jax.grad`, `jax.jit` and `jax.vmap` apply."""
+from typing import Any, Callable, Union
+
 import torch
 
-from torch_xla_jaxbridge import convert, errors, runtime
+from torch_xla_jaxbridge import errors, modules, rng, runtime, tracing
 
 
-def jaxify(fn_or_module):
+def jaxify(fn_or_module: Union[torch.nn.Module, Callable]) -> tuple[Callable, dict[str, Any]]:
   """Converts a torch module or function into `(jax_fn, params)`.
 
   For a module, `params` is a dict of its parameters and buffers as `jax.Array`s (by name) and
@@ -24,16 +26,13 @@ def jaxify(fn_or_module):
   jax = runtime.jax_module()
   if isinstance(fn_or_module, torch.nn.Module):
     module = fn_or_module
-    state = dict(module.named_parameters(remove_duplicate=False))
-    state.update(module.named_buffers(remove_duplicate=False))
-    params = {k: jax.numpy.asarray(v.detach().cpu().numpy()) for k, v in state.items()}
-    param_names = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+    weights, buffers, _ = modules.module_state(module)
+    params = {k: jax.numpy.asarray(v.detach().cpu().numpy())
+              for k, v in {**weights, **buffers}.items()}
 
     def call(p, *args, **kwargs):
-      weights = {k: v for k, v in p.items() if k in param_names}
-      buffers = {k: v for k, v in p.items() if k not in param_names}
-      return torch.func.functional_call(module, (weights, buffers), args, kwargs,
-                                        tie_weights=False)
+      state = ({k: p[k] for k in weights}, {k: p[k] for k in buffers})
+      return torch.func.functional_call(module, state, args, kwargs, tie_weights=False)
 
     name = type(module).__name__
   elif callable(fn_or_module):
@@ -45,9 +44,8 @@ def jaxify(fn_or_module):
 
   def jax_fn(params, *args, key=None, **kwargs):
     key = jax.random.key(0) if key is None else key  # pure: no key, the same randomness each call
-    key_data = jax.lax.bitcast_convert_type(jax.random.key_data(key), jax.numpy.int32)
-    outputs, mutated, _ = convert.run_torch(call, key_data, (params,) + args, kwargs,
-                                            fn_name=name)
+    outputs, mutated, _ = tracing.run_torch(call, rng.data_from_key(jax, key), (params,) + args,
+                                            kwargs, fn_name=name)
     if mutated:
       raise errors.MutationError(
           f"jaxify({name}): the forward updated its buffers or arguments in place (e.g. "

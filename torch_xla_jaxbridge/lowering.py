@@ -12,7 +12,7 @@ import threading
 import types
 import weakref
 
-from torch_xla_jaxbridge import errors, runtime
+from torch_xla_jaxbridge import _compat, errors, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     ...                    enable_x64=False)
   """
   jax = runtime.jax_module()
-  from jax._src import config as jax_config
-
   out_tree = []
 
   def leaves_only(*flat_args):
@@ -53,19 +51,17 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     out_tree.append(tree)
     return leaves
 
-  with jax_config.enable_x64(enable_x64), jax_config.use_shardy_partitioner(False):
+  with _compat.enable_x64(enable_x64), _compat.gspmd_partitioner():
     try:
       with jax.checking_leaks():
         traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
     except Exception as e:
-      if not str(e).startswith("Leaked trace"):
+      if not _compat.is_leak_error(e):
         raise
       raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
     lowered = traced.lower(lowering_platforms=(platform or runtime.lowering_platform(),))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-  import torch_xla
-
-  computation = torch_xla._XLAC._xla_op_computation_from_module_proto(op_name, proto)
+  computation = _compat.xlac()._xla_op_computation_from_module_proto(op_name, proto)
   return computation, out_tree[0]
 
 
@@ -190,7 +186,7 @@ class LoweringCache:
 CACHE = LoweringCache()
 
 
-def cache_info():
+def cache_info() -> CacheInfo:
   """Returns `CacheInfo(hits, misses, maxsize, currsize, retrace_reasons)` for `call_jax`.
 
   `maxsize` is the number of signatures kept per function (least recently used evicted); entries
@@ -205,7 +201,7 @@ def cache_info():
   return CACHE.info()
 
 
-def clear_cache():
+def clear_cache() -> None:
   """Forgets every lowered computation and resets the counters of `cache_info()`.
 
   Example:

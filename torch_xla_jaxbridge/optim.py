@@ -1,13 +1,12 @@
 """Optimizers whose step is one JAX call: every parameter of a group updated by one graph node.
 
-torch's optimizers add a few LazyTensor ops per parameter to every step (about 0.2 ms of host time
-each with the per-tensor loop, 0.03 ms with `foreach`); here the update of a whole parameter group
+torch's optimizers add a few LazyTensor ops per parameter to every step (host time per parameter:
+docs/performance.md); here the update of a whole parameter group
 is one `call_jax`, traced once, and each parameter then takes the new value's data.
 """
 import torch
-import torch_xla
 
-from torch_xla_jaxbridge import call, errors
+from torch_xla_jaxbridge import _compat, call, errors
 
 
 def _sgd_update(params, grads, buffers, lr, *, momentum, dampening, weight_decay, nesterov,
@@ -41,8 +40,8 @@ class SGD(torch.optim.Optimizer):
     >>> opt.step()
   """
 
-  def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-               *, maximize=False):
+  def __init__(self, params, lr: float = 1e-3, momentum: float = 0, dampening: float = 0,
+               weight_decay: float = 0, nesterov: bool = False, *, maximize: bool = False):
     if lr < 0 or momentum < 0 or weight_decay < 0:
       raise errors.BadArgumentError(
           f"SGD: lr, momentum and weight_decay must be >= 0; got lr={lr}, momentum={momentum}, "
@@ -85,8 +84,9 @@ class SGD(torch.optim.Optimizer):
         dict(momentum=momentum, dampening=group["dampening"],
              weight_decay=group["weight_decay"], nesterov=group["nesterov"],
              maximize=group["maximize"]), name="sgd_step")
+    replace = _compat.xlac()._replace_xla_tensor
     for p, new in zip(params, new_params):
-      torch_xla._XLAC._replace_xla_tensor(p, new)
+      replace(p, new)
     torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
     for state, buf in zip(states, new_buffers or ()):
       state["momentum_buffer"] = buf

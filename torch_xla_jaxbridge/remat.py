@@ -8,13 +8,15 @@ import dataclasses
 import functools
 import warnings
 
-from torch_xla_jaxbridge import errors, runtime
+from typing import Any
+
+from torch_xla_jaxbridge import _compat, errors, patching, runtime, tracing
 
 MINIMAL_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
 PRESETS = ("full", "dots", "dots_no_batch", "minimal", "minimal_offloaded")
 
 
-def checkpoint_name(tensor, name):
+def checkpoint_name(tensor: Any, name: str) -> Any:
   """Names `tensor` for remat policies; the identity outside bridged code.
 
   Inside bridged code it is JAX's `checkpoint_name`, so `Remat(save=(name,))` keeps the tensor for
@@ -29,14 +31,11 @@ def checkpoint_name(tensor, name):
   """
   if not isinstance(name, str) or not name:
     raise errors.BadArgumentError(f"name: expected a non-empty string, got {name!r}.")
-  from torch_xla_jaxbridge import convert
-
-  torchax_tensor = convert.torchax_tensor_type()
-  if torchax_tensor is not None and isinstance(tensor, torchax_tensor):
+  if tracing.is_traced(tensor):
     runtime.jax_module()
     from jax.ad_checkpoint import checkpoint_name as jax_checkpoint_name
 
-    return torchax_tensor(jax_checkpoint_name(tensor._elem, name), tensor._env)
+    return tracing.to_torchax(jax_checkpoint_name(tensor.jax(), name))
   return tensor
 
 
@@ -159,57 +158,35 @@ def warn_offload_dropped(platform):
       f"annotations on this machine, use jb.lower_bridged(..., platform='tpu').", stacklevel=3)
 
 
-@functools.cache
-def _original_checkpoint():
-  import torch.utils.checkpoint
-
-  return torch.utils.checkpoint.checkpoint.__wrapped__
-
-
-class torch_checkpoint_as_jax:
-  """Within this context `torch.utils.checkpoint.checkpoint(fn, *args)` becomes `jax.checkpoint`.
-
-  Every reference to torch's `checkpoint`, however it was imported, goes through the wrapper torch
-  puts around it, which calls a per-function hook; this context sets that hook.
-
-  Example:
-    >>> with torch_checkpoint_as_jax():
-    ...   pass
-  """
-
-  _HOOK = "__dynamo_disable"  # a string: attribute syntax would be name-mangled in a class
-
-  def __enter__(self):
-    target = _original_checkpoint()
-    self._before = target.__dict__.get(self._HOOK)
-    setattr(target, self._HOOK, _jax_checkpoint)
-    return self
-
-  def __exit__(self, *exc):
-    target = _original_checkpoint()
-    if self._before is None:
-      delattr(target, self._HOOK)
-    else:
-      setattr(target, self._HOOK, self._before)
-    return False
-
-
-def _jax_checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism_check=None,
-                    debug=None, preserve_rng_state=True, early_stop=True, **kwargs):
-  """torch's checkpoint signature; recomputes `function` in the backward via `jax.checkpoint`."""
-  from torch_xla_jaxbridge import convert
-
+def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
+                     determinism_check=None, debug=None, preserve_rng_state=True,
+                     early_stop=True, **kwargs):
+  """torch's checkpoint signature; in a thread that traces bridged code it recomputes `function`
+  in the backward via `jax.checkpoint`, elsewhere it is torch's own checkpoint."""
+  if not _TORCH_CHECKPOINT.active():
+    original = _TORCH_CHECKPOINT.original(_compat.CHECKPOINT_HOOK)
+    original = original or _compat.dynamo_disabled(_compat.torch_checkpoint_target())
+    return original(function, *args, use_reentrant=use_reentrant, context_fn=context_fn,
+                    determinism_check=determinism_check, debug=debug,
+                    preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs)
   jax = runtime.jax_module()
-  torchax_tensor = convert.torchax_tensor_type()
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, x in enumerate(leaves) if isinstance(x, torchax_tensor)]
+  positions = [i for i, x in enumerate(leaves) if tracing.is_traced(x)]
 
   def recomputed(*arrays):
     full = list(leaves)
-    for i, a in zip(positions, convert.to_torchax(arrays)):
+    for i, a in zip(positions, tracing.to_torchax(arrays)):
       full[i] = a
     call_args, call_kwargs = treedef.unflatten(full)
-    return convert.to_jax(function(*call_args, **call_kwargs))
+    return tracing.to_jax(function(*call_args, **call_kwargs))
 
-  out = jax.checkpoint(recomputed)(*[leaves[i]._elem for i in positions])
-  return convert.to_torchax(out)
+  out = jax.checkpoint(recomputed)(*[leaves[i].jax() for i in positions])
+  return tracing.to_torchax(out)
+
+
+# Within traced code `torch.utils.checkpoint.checkpoint(fn, *args)` becomes `jax.checkpoint`:
+# every reference to torch's `checkpoint`, however it was imported, goes through the wrapper
+# torch puts around it, which calls the function held in a hook attribute (see _compat).
+_TORCH_CHECKPOINT = patching.Patch(lambda: [_compat.torch_checkpoint_target()],
+                                   {_compat.CHECKPOINT_HOOK: _checkpoint_hook})
+tracing.register_trace_context(lambda: _TORCH_CHECKPOINT)

@@ -7,6 +7,8 @@ import functools
 import importlib.util
 import os
 
+from torch_xla_jaxbridge import _compat
+
 _ACCELERATOR_HINTS = ("PJRT_DEVICE", "TPU_NUM_DEVICES", "GPU_NUM_DEVICES", "NEURON_RT_VISIBLE_CORES")
 
 
@@ -31,9 +33,7 @@ def jax_module():
     >>> jax.numpy.ones(2).shape
     (2,)
   """
-  import torch_xla
-
-  torch_xla._XLAC._init_computation_client()
+  _compat.init_computation_client()
   import jax
 
   return jax

@@ -8,10 +8,11 @@ import contextlib
 import copy
 import functools
 import weakref
+from typing import Any, Sequence
 
 import torch
 
-from torch_xla_jaxbridge import autograd, call, convert, errors, runtime, spmd
+from torch_xla_jaxbridge import _compat, bridging, call, errors, modules, runtime, spmd, tracing
 from torch_xla_jaxbridge import remat as remat_policies
 
 # The scan's bridged function, shared by layer stacks of one structure, and kept as long as the
@@ -20,7 +21,8 @@ _BY_STRUCTURE = {}
 _BY_LAYER = weakref.WeakKeyDictionary()
 
 
-def scan_layers(layers, input_data, *, remat=None, shared_args=(), shared_kwargs=None):
+def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, *, remat: Any = None,
+                shared_args: tuple = (), shared_kwargs: dict = None) -> Any:
   """Runs `layers` in sequence on `input_data` as one scanned, bridged computation.
 
   Same first two arguments as `torch_xla.experimental.scan_layers.scan_layers`. Layer `i` is
@@ -55,12 +57,13 @@ def scan_layers(layers, input_data, *, remat=None, shared_args=(), shared_kwargs
 class _LayerStack:
   """The layers of a `scan_layers` call, checked and walked once: later calls with the same layer
   objects read their current tensors through cached walks (the structure check and module walks
-  were two thirds of a 32-layer call's host time). The check is redone when a layer's parameter,
-  buffer or submodule entries change, or when stacking finds different shapes or dtypes; plain
-  attributes are read when the stack is first seen.
+  were most of a deep stack's host time, docs/performance.md). The check is redone when a layer's
+  parameter, buffer or submodule entries change, or when stacking finds different shapes or
+  dtypes; attributes are read when the stack is first seen.
 
   Example:
-    >>> stack = _LayerStack.of([torch.nn.Linear(2, 2) for _ in range(3)])
+    >>> layers = [torch.nn.Linear(2, 2) for _ in range(3)]  # held weakly: keep a reference
+    >>> stack = _LayerStack.of(layers)
     >>> params, buffers, training = stack.state()
     >>> params["weight"].shape
     torch.Size([3, 2, 2])
@@ -80,11 +83,11 @@ class _LayerStack:
   def __init__(self, layers):
     _check_identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
-    self.walks = [autograd._StateWalk(l) for l in layers]
+    self.walks = [modules.StateWalk(l) for l in layers]
     self.layouts = [walk.walks for walk in self.walks]
     template = layers[0]
     self.template = weakref.ref(template)
-    self.structure = autograd.structure_key(template)
+    self.structure = modules.structure_key(template)
 
   def state(self):
     """`(params, buffers, training)`: each parameter and buffer stacked over layers, in the graph
@@ -118,7 +121,7 @@ def _bridged_scan(template, structure, remat):
       _BY_LAYER.setdefault(template, {}), remat)
   bridged = table.get(key)
   if bridged is None:
-    bridged = table[key] = autograd.Bridged(
+    bridged = table[key] = bridging.Bridged(
         functools.partial(_scan, template, remat_policies.policy_for(remat)),
         name=f"scan_{type(template).__name__}")
   return bridged
@@ -146,7 +149,7 @@ class StackedLayers(torch.nn.Module):
     torch.Size([4, 8, 8])
   """
 
-  def __init__(self, layers, *, remat=None):
+  def __init__(self, layers: Sequence[torch.nn.Module], *, remat: Any = None):
     super().__init__()
     layers = list(layers)
     if not layers:
@@ -165,14 +168,14 @@ class StackedLayers(torch.nn.Module):
             stacked[id(value)] = _stack_over(layers, f"{name}.{key}" if name else key, kind,
                                              value.requires_grad)
           tensors[key] = stacked[id(value)]
-    self._walk = autograd._StateWalk(self.layer)
+    self._walk = modules.StateWalk(self.layer)
     self.register_state_dict_post_hook(_per_layer_keys)
     self.register_load_state_dict_pre_hook(_stacked_keys)
 
   def forward(self, carry, *shared_args, **shared_kwargs):
     """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
     params, buffers, training = self._walk.state()
-    bridged = _bridged_scan(self.layer, autograd.structure_key(self.layer), self.remat)
+    bridged = _bridged_scan(self.layer, modules.structure_key(self.layer), self.remat)
     return bridged(self.count, params, buffers, training, carry, shared_args, shared_kwargs)
 
   def __len__(self):
@@ -247,20 +250,31 @@ def _check_identical(layers, caller="scan_layers"):
         raise errors.BadArgumentError(
             f"{caller}: layers[{i}] {name!r} is {described.get(name, 'missing')}, but in "
             f"layers[0] it is {reference.get(name, 'missing')}; every layer must have the same "
-            f"parameters, buffers and plain attributes.")
+            f"parameters, buffers and attributes.")
+    differ = modules.attribute_differences(first, layer)
+    if differ:
+      name = differ[0]
+      raise errors.BadArgumentError(
+          f"{caller}: layers[{i}] {name!r} is {_attribute(layer, name)!r}, but in layers[0] it "
+          f"is {_attribute(first, name)!r}; the scan runs every layer with layers[0]'s "
+          f"attributes, so they must be equal. Run layers that differ in {name!r} unrolled (e.g. "
+          f"each in its own jb.BridgeModule).")
 
 
 def _describe(layer):
+  """What must match between layers besides attributes: tensors, and each submodule's class."""
   described = {}
   for kind, items in (("parameter", layer.named_parameters()), ("buffer", layer.named_buffers())):
     for name, t in items:
       described[name] = f"{kind} {tuple(t.shape)} {t.dtype}"
   for name, sub in layer.named_modules():
     described[f"{name or '<layer>'} class"] = type(sub).__name__
-    for attr, value in vars(sub).items():
-      if not attr.startswith("_") and isinstance(value, (int, float, bool, str)):
-        described[f"{name}.{attr}" if name else attr] = repr(value)
   return described
+
+
+def _attribute(module, path):
+  owner, _, name = path.rpartition(".")
+  return getattr(module.get_submodule(owner), name, "missing")
 
 
 class _StackLayers(torch.autograd.Function):
@@ -292,17 +306,17 @@ def _unstack(stacked):
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):
   """The bridged torch function: runs under torchax, with stacked torchax tensors."""
   jax = runtime.jax_module()
-  env = convert.environment()
-  unwrap, wrap = convert.to_jax, convert.to_torchax
+  env = tracing.environment()
+  unwrap, wrap = tracing.to_jax, tracing.to_torchax
 
   def run_layer(carry, layer_params, layer_buffers, key):
     buffers_in = wrap(layer_buffers)
     with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
-      before = env.param.prng
-      out = autograd._module_forward(template, wrap(layer_params), buffers_in, training,
+      before = _compat.current_key(env)
+      out = modules.module_forward(template, wrap(layer_params), buffers_in, training,
                                      (wrap(carry),) + tuple(shared_args), shared_kwargs)
-      drew.append(env.param.prng is not before)
-    changed = [n for n, b in buffers_in.items() if b._elem is not layer_buffers[n]]
+      drew.append(_compat.current_key(env) is not before)
+    changed = [n for n, b in buffers_in.items() if b.jax() is not layer_buffers[n]]
     if changed:
       raise errors.MutationError(
           f"scan_layers: the layers update buffers {changed} in place (e.g. BatchNorm running "
@@ -338,8 +352,8 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
 def _residuals_read_whole(body):
   """`body` with a backward that reads its layer's saved residuals through an optimization
   barrier. Without it XLA:CPU fuses the slicing of the stacked residuals into the kernels that
-  consume them, and those kernels (transposes feeding the weight-gradient matmuls) ran 4-5x
-  slower than on whole arrays: 9.5 against 2 ms a layer for the largest, on one core."""
+  consume them, and those kernels (transposes feeding the weight-gradient matmuls) ran several
+  times slower than on whole arrays (measured in docs/performance.md)."""
   jax = runtime.jax_module()
 
   @jax.custom_vjp

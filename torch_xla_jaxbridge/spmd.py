@@ -8,17 +8,16 @@ function given to `call_jax`. Both become a sharding constraint (an HLO `Shardin
 in the lowered computation, built from the torch_xla mesh's own device ids: no JAX devices or JAX
 mesh are needed, so it works where torch_xla owns the chips.
 """
-import contextlib
 import dataclasses
 import functools
 import math
 import os
 import sys
-import threading
+from typing import Any, Sequence
 
 import torch
 
-from torch_xla_jaxbridge import errors, runtime
+from torch_xla_jaxbridge import _compat, errors, patching, runtime, tracing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +30,11 @@ class Tiles:
 
   def op_sharding(self):
     """The `xla_client.OpSharding` JAX's lowering attaches to the constraint."""
-    from jax._src.lib import xla_client as xc
-
-    op = xc.OpSharding()
+    op = _compat.op_sharding()
     if all(d == 1 for d in self.dims):
-      op.type = xc.OpSharding.Type.REPLICATED
+      op.type = type(op).Type.REPLICATED
       return op
-    op.type = xc.OpSharding.Type.OTHER
+    op.type = type(op).Type.OTHER
     op.tile_assignment_dimensions = list(self.dims)
     op.tile_assignment_devices = list(self.devices)
     op.replicate_on_last_tile_dim = self.replicate_last
@@ -65,14 +62,17 @@ def tiles(mesh, partition_spec, shape, *, where="with_sharding_constraint"):
   not enabled.
 
   Example:
+    Needs 4 devices and `torch_xla.runtime.use_spmd()`, so it is skipped in the docstring tests
+    (test_spmd.py runs it on 4 virtual CPU devices):
+
     >>> import numpy as np, torch_xla.distributed.spmd as xs
-    >>> mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))  # needs 4 devices and use_spmd()
-    >>> str(tiles(mesh, ("data", None), (8, 6)))
+    >>> mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))  # doctest: +SKIP
+    >>> str(tiles(mesh, ("data", None), (8, 6)))  # doctest: +SKIP
     '{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}'
   """
   import torch_xla.runtime as xr
 
-  if not xr.is_spmd():
+  if not spmd_enabled():
     raise errors.BadArgumentError(
         f"{where}: SPMD is not enabled. Call torch_xla.runtime.use_spmd() at the start of the "
         f"program, before any tensor is moved to the XLA device.")
@@ -126,7 +126,7 @@ def _primitive():
   runtime.jax_module()
   from jax.extend.core import Primitive
   from jax.interpreters import ad, batching
-  from jax._src.interpreters import mlir
+  from jax.interpreters import mlir
 
   constraint = Primitive("jaxbridge_sharding_constraint")
   constraint.def_impl(lambda x, *, tiles: x)
@@ -143,13 +143,13 @@ def _primitive():
 
   def lower(ctx, x, *, tiles):
     # GSPMD form (mhlo.sharding) whatever the partitioner flag: torch_xla partitions with GSPMD
-    return [mlir._wrap_with_spmd_op("Sharding", ctx, x, ctx.avals_out[0], tiles.op_sharding())]
+    return [_compat.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], tiles.op_sharding())]
 
   mlir.register_lowering(constraint, lower)
   return constraint
 
 
-def with_sharding_constraint(x, mesh, partition_spec):
+def with_sharding_constraint(x: Any, mesh: Any, partition_spec: Sequence) -> Any:
   """Constrains `x` to be sharded as `partition_spec` over the torch_xla `mesh`.
 
   Inside a JAX function given to `call_jax` (`x` a JAX array) or inside bridged torch code (`x`
@@ -167,24 +167,25 @@ def with_sharding_constraint(x, mesh, partition_spec):
     `x`, constrained (a new array or tensor inside traced code; `x` itself otherwise).
 
   Example:
+    Needs 4 devices and `torch_xla.runtime.use_spmd()`, so it is skipped in the docstring tests
+    (test_spmd.py runs the same on 4 virtual CPU devices):
+
     >>> import jax.numpy as jnp, numpy as np, torch, torch_xla.distributed.spmd as xs
     >>> import torch_xla_jaxbridge as jb
-    >>> mesh = xs.Mesh(np.arange(4), (4,), ("fsdp",))  # with 4 devices, after use_spmd()
+    >>> mesh = xs.Mesh(np.arange(4), (4,), ("fsdp",))  # doctest: +SKIP
     >>> def f(a):
     ...   return jb.spmd.with_sharding_constraint(jnp.sin(a), mesh, ("fsdp", None)) * 2
-    >>> out = jb.call_jax(f, (torch.ones(8, 8, device="xla"),))
+    >>> out = jb.call_jax(f, (torch.ones(8, 8, device="xla"),))  # doctest: +SKIP
   """
   jax = runtime.jax_module()
-  from torch_xla_jaxbridge import convert
-
-  tensor_type = convert.torchax_tensor_type()
-  if tensor_type is not None and isinstance(x, tensor_type):
-    return tensor_type(_constrain(jax, x._elem, mesh, partition_spec), x._env)
+  if tracing.is_traced(x):
+    return tracing.to_torchax(_constrain(jax, x.jax(), mesh, partition_spec))
   if isinstance(x, torch.Tensor):
     import torch_xla.distributed.spmd as xs
 
     tiles(mesh, partition_spec, x.shape, where="with_sharding_constraint")  # our checks first
-    _ORIGINALS.get("mark_sharding", xs.mark_sharding)(x, mesh, tuple(partition_spec))
+    original = _MARK_SHARDING.original("mark_sharding") or xs.mark_sharding
+    original(x, mesh, tuple(partition_spec))
     return x
   return _constrain(jax, x, mesh, partition_spec)
 
@@ -197,6 +198,16 @@ def _constrain(jax, array, mesh, partition_spec, where="with_sharding_constraint
 # --- gradients sharded as their inputs ----------------------------------------------------------
 
 
+def spmd_enabled():
+  """Whether torch_xla runs SPMD (`torch_xla.runtime.use_spmd()`), read without its imports.
+
+  Example:
+    >>> spmd_enabled()  # a single-device run
+    False
+  """
+  return os.environ.get("XLA_USE_SPMD", "").upper() in ("ON", "1", "YES", "TRUE", "Y")
+
+
 def shardings_of(tensors):
   """Each XLA tensor's torch_xla `OpSharding` (None where it has none), or None when SPMD is off
   or no tensor is sharded: what `shard_like` gives the gradients.
@@ -205,12 +216,9 @@ def shardings_of(tensors):
     >>> shardings_of([torch.ones(2, device="xla")]) is None  # without SPMD
     True
   """
-  flag = os.environ.get("XLA_USE_SPMD", "")  # torch_xla.runtime.is_spmd(), without its imports
-  if not (flag == "true" or (flag.isdigit() and int(flag) > 0)):
+  if not spmd_enabled():
     return None
-  import torch_xla
-
-  get = torch_xla._XLAC._get_xla_op_sharding
+  get = _compat.xlac()._get_xla_op_sharding
   found = tuple(get(t) for t in tensors)
   return found if any(s is not None for s in found) else None
 
@@ -226,81 +234,40 @@ def shard_like(tensors, shardings):
   """
   if shardings is None:
     return
-  import torch_xla
-
+  mark = _compat.xlac()._xla_mark_sharding
   for tensor, sharding in zip(tensors, shardings):
     if sharding is not None and tensor is not None:
-      torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
+      mark(tensor, sharding)
 
 
 # --- xs.mark_sharding on traced tensors -------------------------------------------------------
 
-_ORIGINALS = {}
-_HOOK_DEPTH = [0]
-_HOOK_LOCK = threading.Lock()
 _MODULES = ("torch_xla.distributed.spmd.xla_sharding", "torch_xla.distributed.spmd")
 
 
 def _mark_sharding(t, mesh, partition_spec, *args, **kwargs):
-  from torch_xla_jaxbridge import convert
-
-  tensor_type = convert.torchax_tensor_type()
-  if tensor_type is None or not isinstance(t, tensor_type):
-    return _ORIGINALS["mark_sharding"](t, mesh, partition_spec, *args, **kwargs)
+  if not (_MARK_SHARDING.active() and tracing.is_traced(t)):
+    return _MARK_SHARDING.original("mark_sharding")(t, mesh, partition_spec, *args, **kwargs)
   # in place, as on an XLA tensor: later code that reads `t` sees the constrained value
-  t._elem = _constrain(runtime.jax_module(), t._elem, mesh, partition_spec,
-                       where="xs.mark_sharding in bridged code")
+  _compat.set_array(t, _constrain(runtime.jax_module(), t.jax(), mesh, partition_spec,
+                                  where="xs.mark_sharding in bridged code"))
   return t
 
 
 def _mark_sharding_with_gradients(t, mesh, partition_spec):
-  from torch_xla_jaxbridge import convert
-
-  tensor_type = convert.torchax_tensor_type()
-  if tensor_type is None or not isinstance(t, tensor_type):
-    return _ORIGINALS["mark_sharding_with_gradients"](t, mesh, partition_spec)
-  constrained = _constrain(runtime.jax_module(), t._elem, mesh, partition_spec,
+  if not (_MARK_SHARDING.active() and tracing.is_traced(t)):
+    return _MARK_SHARDING.original("mark_sharding_with_gradients")(t, mesh, partition_spec)
+  constrained = _constrain(runtime.jax_module(), t.jax(), mesh, partition_spec,
                            where="xs.mark_sharding_with_gradients in bridged code")
-  return tensor_type(constrained, t._env)
+  return tracing.to_torchax(constrained)
 
 
-_HOOKS = {"mark_sharding": _mark_sharding,
-          "mark_sharding_with_gradients": _mark_sharding_with_gradients}
-
-
-@contextlib.contextmanager
-def mark_sharding_traced():
-  """While bridged torch code is traced, `xs.mark_sharding` and `xs.mark_sharding_with_gradients`
-  on its tensors add sharding constraints (torch_xla's own versions need JAX devices that match
-  its device ids); calls on XLA tensors go to torch_xla unchanged. A no-op when torch_xla's SPMD
-  module was never imported.
-
-  Example:
-    >>> with mark_sharding_traced():
-    ...   pass
-  """
-  if _MODULES[0] not in sys.modules:
-    yield
-    return
-  with _HOOK_LOCK:
-    if _HOOK_DEPTH[0] == 0:
-      module = sys.modules[_MODULES[0]]
-      for name in _HOOKS:
-        _ORIGINALS[name] = getattr(module, name)
-      for module_name in _MODULES:
-        module = sys.modules.get(module_name)
-        for name, hook in _HOOKS.items():
-          if module is not None and getattr(module, name, None) is _ORIGINALS[name]:
-            setattr(module, name, hook)
-    _HOOK_DEPTH[0] += 1
-  try:
-    yield
-  finally:
-    with _HOOK_LOCK:
-      _HOOK_DEPTH[0] -= 1
-      if _HOOK_DEPTH[0] == 0:
-        for module_name in _MODULES:
-          module = sys.modules.get(module_name)
-          for name, hook in _HOOKS.items():
-            if module is not None and getattr(module, name, None) is hook:
-              setattr(module, name, _ORIGINALS[name])
+# While bridged torch code is traced, `xs.mark_sharding` and `xs.mark_sharding_with_gradients` on
+# its tensors add sharding constraints (torch_xla's own versions need JAX devices that match its
+# device ids); calls on XLA tensors go to torch_xla unchanged. Nothing is patched while torch_xla's
+# SPMD module was never imported.
+_MARK_SHARDING = patching.Patch(
+    lambda: [sys.modules.get(name) for name in _MODULES] if _MODULES[0] in sys.modules else [],
+    {"mark_sharding": _mark_sharding,
+     "mark_sharding_with_gradients": _mark_sharding_with_gradients})
+tracing.register_trace_context(lambda: _MARK_SHARDING)

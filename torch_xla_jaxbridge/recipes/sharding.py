@@ -79,7 +79,7 @@ def shard_model(model, mesh):
   specs by name. The stacks of a `jb.StackedLayers` are sharded as one layer's parameter, their
   layer axis replicated (each step of the scan reads one layer).
 
-  Example:
+  Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
     >>> specs = shard_model(model, make_mesh(4, 1))  # doctest: +SKIP
   """
   import torch_xla.distributed.spmd as xs
@@ -100,7 +100,7 @@ def shard_model(model, mesh):
 def shard_batch(tensor, mesh):
   """Splits a `(batch, ...)` tensor's batch over `fsdp` (replicated over `tensor`); returns it.
 
-  Example:
+  Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
     >>> tokens = shard_batch(tokens.to("xla"), make_mesh(4, 1))  # doctest: +SKIP
   """
   import torch_xla.distributed.spmd as xs

@@ -15,6 +15,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
+from torch_xla_jaxbridge import _compat
 from torch_xla_jaxbridge.recipes import config, data, llama, sharding
 
 
@@ -137,7 +138,7 @@ def _summary(cfg, out, losses, compiles_before, log, sharded_model=None):
       "residual_host_bytes_per_layer": residuals.host_bytes,
   }
   if sharded_model is not None:  # each parameter's sharding as it left the last step
-    spec = torch_xla._XLAC._get_xla_sharding_spec
+    spec = _compat.xlac()._get_xla_sharding_spec
     summary["param_shardings"] = {n: spec(p) for n, p in sharded_model.named_parameters()}
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
   log(f"done: {summary['steps_run']} steps, loss {summary['first_loss']} -> "

@@ -8,7 +8,7 @@ when no input was an XLA tensor.
 """
 import torch
 
-from torch_xla_jaxbridge import autograd, dlpack, runtime
+from torch_xla_jaxbridge import bridging, dlpack, runtime
 
 BACKEND_NAME = "jaxbridge"
 
@@ -26,7 +26,7 @@ def jaxbridge_backend(graph_module, example_inputs):
     >>> f(torch.ones(3)).device.type
     'cpu'
   """
-  bridged = autograd.BridgeModule(graph_module)
+  bridged = bridging.BridgeModule(graph_module)
 
   def run(*args):
     jax = runtime.jax_module()

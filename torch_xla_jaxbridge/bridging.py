@@ -8,17 +8,19 @@ call, a second `call_jax` node applies the saved `vjp` function to the output co
 import dataclasses
 import functools
 import weakref
+from typing import Any, Callable, Optional
 
 import torch
 
-from torch_xla_jaxbridge import call, convert, dtypes, errors, runtime, spmd
+from torch_xla_jaxbridge import (_compat, call, dtypes, errors, modules, plain, rng, runtime,
+                                 spmd, tracing)
 from torch_xla_jaxbridge import remat as remat_policies
 
-_DIFF, _OTHER = "<diff tensor>", "<tensor>"
+DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
   """What a trace learned about its outputs; travels as static data through `call_jax`."""
   out_tree: object
   float_mask: tuple
@@ -26,7 +28,7 @@ class _Layout:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Residuals:
+class Residuals:
   """How to rebuild the `vjp` function from the residual tensors it was flattened to: each
   residual is either a differentiable input, passed to the backward as it is (`sources[i]`
   indexes `inputs`), or a value the forward computed and returned (`sources[i]` is None)."""
@@ -37,33 +39,77 @@ class _Residuals:
   on_host: tuple  # offloaded computed residuals
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
+class Spec:
   """The static part of a bridged call: argument structure, non-tensor values, which tensors
-  need gradients."""
-  treedef: object
-  leaves: tuple  # _DIFF / _OTHER markers at tensor positions, static values elsewhere
+  need gradients. Equal specs (same structure, markers and static keys) share a trace.
+
+  Example:
+    >>> spec, diff, other = Spec.split(((torch.ones(2, requires_grad=True), 3), {}),
+    ...                                lambda t: t.requires_grad, "f")
+    >>> spec, len(diff), len(other)
+    (<tensors needing grad: g>, 1, 0)
+  """
+
+  def __init__(self, treedef, leaves, keys):
+    self.treedef = treedef
+    self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
+    self._key = (treedef, keys)
+
+  @classmethod
+  def split(cls, tree, needs_grad, caller):
+    """`(spec, diff, other)` for a pytree of arguments: the tensors for which `needs_grad(t)`
+    holds, the other tensors, and the spec that merges them back. A static leaf that cannot key
+    the trace cache is an error naming it."""
+    jax = runtime.jax_module()
+    leaves, treedef = jax.tree.flatten(tree)
+    markers, diff, other = [], [], []
+    for leaf in leaves:
+      if isinstance(leaf, torch.Tensor):
+        needs = needs_grad(leaf)
+        (diff if needs else other).append(leaf)
+        markers.append(DIFF if needs else OTHER)
+      else:
+        markers.append(leaf)
+    try:
+      keys = tuple([plain.static_key(m) for m in markers if m is not DIFF and m is not OTHER])
+    except plain.NotPlain:
+      call.static_keys(markers, tree, caller)  # raises, naming the leaf
+      raise
+    return cls(treedef, tuple(markers), keys), diff, other
+
+  def __eq__(self, other):
+    return isinstance(other, Spec) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
 
   def __repr__(self):  # read in re-trace reasons
-    marks = "".join("g" if v is _DIFF else "-" for v in self.leaves if v is _DIFF or v is _OTHER)
+    marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
     return f"<tensors needing grad: {marks}>"
 
   def merge(self, diff, other):
+    """The arguments' pytree with `diff` and `other` put back at their positions."""
     diff, other = iter(diff), iter(other)
-    full = [next(diff) if v is _DIFF else next(other) if v is _OTHER else v for v in self.leaves]
+    full = [next(diff) if v is DIFF else next(other) if v is OTHER else v for v in self.leaves]
     return self.treedef.unflatten(full)
 
 
 @functools.cache
-def _register_static_pytree():
-  """Lets `_Layout` and `_Residuals` travel through `call_jax` as static output structure (once)."""
+def register_static_pytree():
+  """Lets `Layout` and `Residuals` travel through `call_jax` as static output structure (once)."""
   jax = runtime.jax_module()
-  for static in (_Layout, _Residuals):
+  for static in (Layout, Residuals):
     jax.tree_util.register_pytree_node(static, lambda x: ((), x), lambda aux, _: aux)
 
 
 class Bridged:
-  """A torch function traced once per signature through torchax; see `bridge`."""
+  """A torch function traced once per signature through torchax; see `bridge`.
+
+  Example:
+    >>> double = Bridged(lambda x: x * 2)
+    >>> double(torch.ones(2, device="xla")).cpu().tolist()
+    [2.0, 2.0]
+  """
 
   def __init__(self, fn, *, remat=None, name=None):
     self.policy = remat_policies.policy_for(remat)  # validates `remat`
@@ -75,33 +121,24 @@ class Bridged:
     functools.update_wrapper(self, fn, updated=())
 
   def __call__(self, *args, **kwargs):
-    jax = runtime.jax_module()
-    _register_static_pytree()
+    register_static_pytree()
     if self.seeded and "rng_seed" not in kwargs:
       raise errors.BadArgumentError(
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
-    key_data = kwargs.pop("rng_seed") if self.seeded else None
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+    seed = kwargs.pop("rng_seed") if self.seeded else None
     grad_on = torch.is_grad_enabled()
-    markers, diff, other = [], [], []
-    for leaf in leaves:
-      if isinstance(leaf, torch.Tensor):
-        needs = grad_on and leaf.requires_grad
-        (diff if needs else other).append(leaf)
-        markers.append(_DIFF if needs else _OTHER)
-      else:
-        markers.append(leaf)
-    spec = _Spec(treedef, tuple(markers))
-    _check_hashable(self.name, spec, (args, kwargs))
+    spec, diff, other = Spec.split((args, kwargs), lambda t: grad_on and t.requires_grad,
+                                   self.name)
+    device = _device(diff, other)
     # code that never draws random numbers gets a constant key (drawing one costs host time, and
     # a first call with a fresh key would make a first-step program that differs from the rest)
-    fresh = key_data is not None or bool(self.draws_random)
-    key = _key_data(key_data, leaves) if fresh else _constant_key(_device(leaves))
+    fresh = seed is not None or bool(self.draws_random)
+    key = rng.key_data(seed, device) if fresh else rng.constant_key_data(device)
     floats, others, mutated, layout = self._invoke(spec, key, diff, other)
     if not fresh and self.draws_random:  # this call traced code that does: run it with a fresh key
-      floats, others, mutated, layout = self._invoke(spec, _key_data(None, leaves), diff, other)
-    _write_back(self.name, leaves, layout.mutated, mutated, diff)
+      floats, others, mutated, layout = self._invoke(spec, rng.key_data(None, device), diff, other)
+    _write_back(self.name, (args, kwargs), layout.mutated, mutated, diff)
     floats, others = iter(floats), iter(others)
     return layout.out_tree.unflatten(
         [next(floats) if is_float else next(others) for is_float in layout.float_mask])
@@ -116,10 +153,12 @@ class Bridged:
         self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
     return floats, others, mutated, layout
 
-  def _run(self, spec, diff, other, key_data):
+  def run(self, spec, diff, other, key_data):
+    """The traced torch function on arrays: `(floats, (others, mutated, layout))`, the output
+    leaves split into floating-point ones (differentiable) and the rest."""
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
-    outputs, mutated, drew_random = convert.run_torch(self.fn, key_data, args, kwargs,
+    outputs, mutated, drew_random = tracing.run_torch(self.fn, key_data, args, kwargs,
                                                       fn_name=self.name)
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
@@ -127,16 +166,17 @@ class Bridged:
     floats = [x for x, f in zip(out_leaves, float_mask) if f]
     others = [x for x, f in zip(out_leaves, float_mask) if not f]
     positions = tuple(sorted(mutated))
-    layout = _Layout(out_tree, float_mask, positions)
+    layout = Layout(out_tree, float_mask, positions)
     return floats, (others, [mutated[i] for i in positions], layout)
 
   def _plain_half(self, spec, other, key_data):
-    floats, (others, mutated, layout) = self._run(spec, (), other, key_data)
+    floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
     return floats, others, mutated, layout
 
-  def _forward_half(self, spec, diff, other, key_data):
+  def forward_half(self, spec, diff, other, key_data):
+    """The forward half of `jax.vjp` of `run`: outputs, and the residuals the backward needs."""
     jax = runtime.jax_module()
-    run = lambda *d: self._run(spec, d, other, key_data)  # noqa: E731
+    run = lambda *d: self.run(spec, d, other, key_data)  # noqa: E731
     if self.policy is not None:
       run = jax.checkpoint(run, policy=self.policy)
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
@@ -150,12 +190,13 @@ class Bridged:
     computed = [r for r, source in zip(residuals, sources) if source is None]
     on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
                     for r in computed)
-    kept = _Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host)
+    kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host)
     computed = [dtypes.torch_compatible(jax, r) for r in computed]
     return floats, others, mutated, (kept, computed), layout
 
 
-def _backward_half(saved, inputs, cotangents):
+def backward_half(saved, inputs, cotangents):
+  """The backward half: gradients of the differentiable inputs, from the forward's residuals."""
   jax = runtime.jax_module()
   kept, computed = saved
   computed = [dtypes.restore(jax, r, d) for r, d in zip(computed, kept.dtypes)]
@@ -173,7 +214,7 @@ class _VjpFunction(torch.autograd.Function):
     if bridged.offloads and runtime.lowering_platform() == "cpu":
       remat_policies.warn_offload_dropped("cpu")
     floats, others, mutated, saved, layout = call.call_jax(
-        bridged._forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
+        bridged.forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
     ctx.saved = saved
     ctx.save_for_backward(*[diff[i] for i in saved[0].inputs])  # torch checks their versions
     ctx.name = bridged.name
@@ -184,10 +225,10 @@ class _VjpFunction(torch.autograd.Function):
   @staticmethod
   def backward(ctx, *cotangents):
     try:
-      grads = call.call_jax(_backward_half, (ctx.saved, list(ctx.saved_tensors), cotangents),
+      grads = call.call_jax(backward_half, (ctx.saved, list(ctx.saved_tensors), cotangents),
                             name=f"{ctx.name}_bwd")
     except errors.JaxTracingError as e:
-      if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
+      if not _compat.is_while_loop_gradient_error(e):
         raise
       raise errors.ControlFlowError(
           f"{ctx.name}: a gradient was asked through torch.while_loop, whose trip count depends "
@@ -198,49 +239,19 @@ class _VjpFunction(torch.autograd.Function):
     return (None, None, None, None, None, *grads)
 
 
-def _check_hashable(name, spec, tree):
-  """Static arguments key the trace cache: an unhashable one is named, not reported as _Spec's."""
-  try:
-    hash(spec)
-  except TypeError:
-    jax = runtime.jax_module()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      try:
-        hash(leaf)
-      except TypeError:
-        raise errors.BadArgumentError(
-            f"{name}: {call.path_name(path)} is a {type(leaf).__name__}, which is not hashable, so it cannot key "
-            f"the trace cache. Pass it as a tensor, a tuple, or a hashable value.") from None
-    raise
-
-
-def _key_data(seed, leaves):
-  """int32[2] on the XLA device: fresh from torch_xla's RNG, or derived from a given seed."""
-  if seed is None:
-    return torch.randint(-2**31, 2**31 - 1, (2,), dtype=torch.int32, device=_device(leaves))
-  if isinstance(seed, int):
-    seed = torch.tensor(seed, dtype=torch.int64)
-  seed = seed.to(torch.int64).reshape(())
-  return torch.stack([seed >> 32, seed & 0xFFFFFFFF]).to(torch.int32).to(_device(leaves))
-
-
-@functools.lru_cache(maxsize=None)
-def _constant_key(device):
-  # copied from the host, so it is device data from the start: made on the device it would be a
-  # pending op in the first step's graph only, and the second step would compile anew
-  return torch.zeros(2, dtype=torch.int32).to(device)
-
-
-def _device(leaves):
-  for leaf in leaves:
-    if isinstance(leaf, torch.Tensor) and leaf.is_xla:
-      return leaf.device
+def _device(diff, other):
+  for tensor in diff + other:
+    if tensor.is_xla:
+      return tensor.device
   import torch_xla
   return torch_xla.device()
 
 
-def _write_back(name, leaves, positions, values, diff):
+def _write_back(name, tree, positions, values, diff):
   """Applies the in-place updates the traced code made to its arguments, as eager torch would."""
+  if not positions:
+    return
+  leaves = runtime.jax_module().tree.leaves(tree)
   diff_ids = {id(t) for t in diff}
   for pos, value in zip(positions, values):
     target = leaves[pos]
@@ -253,7 +264,8 @@ def _write_back(name, leaves, positions, values, diff):
       target.copy_(value)
 
 
-def bridge(fn=None, *, remat=None, name=None):
+def bridge(fn: Optional[Callable] = None, *, remat: Any = None,
+           name: Optional[str] = None) -> Callable:
   """Decorator: the torch function is traced once per signature and runs as one graph node.
 
   The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to
@@ -286,7 +298,8 @@ def bridge(fn=None, *, remat=None, name=None):
   return Bridged(fn, remat=remat, name=name)
 
 
-def assume_pure(fn, *, add_rng_seed_argument=False, remat=None):
+def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False,
+                remat: Any = None) -> Callable:
   """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
 
   Unlike upstream, randomness inside `fn` is fresh on every call already. With
@@ -301,97 +314,6 @@ def assume_pure(fn, *, add_rng_seed_argument=False, remat=None):
   bridged = Bridged(fn, remat=remat)
   bridged.seeded = add_rng_seed_argument
   return bridged
-
-
-def _module_forward(module, params, buffers, training, args, kwargs):
-  subs = list(module.modules())
-  before = [sub.training for sub in subs]
-  try:
-    for sub, mode in zip(subs, training):
-      sub.training = mode
-    return torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=False)
-  finally:
-    for sub, mode in zip(subs, before):
-      sub.training = mode
-
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.Size)
-
-
-def structure_key(module):
-  """A hashable description of everything but the tensor values a module's forward depends on,
-  or None when some attribute is not a plain value (then the module is traced on its own).
-
-  Example:
-    >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
-    True
-  """
-  parts = []
-  for name, sub in module.named_modules():
-    attrs = []
-    for key, value in sorted(vars(sub).items()):
-      if key in ("_parameters", "_buffers", "_modules", "training") or key.startswith("_"):
-        continue
-      if not isinstance(value, _PLAIN) and not (isinstance(value, tuple) and
-                                                all(isinstance(v, _PLAIN) for v in value)):
-        return None
-      attrs.append((key, value))
-    tensors = [(k, tuple(t.shape), t.dtype) for k, t in
-               list(sub._parameters.items()) + list(sub._buffers.items()) if t is not None]
-    parts.append((name, type(sub), tuple(attrs), tuple(tensors)))
-  return tuple(parts)
-
-
-class _StateWalk:
-  """Where a module's parameters and buffers live, so each call reads the current tensors without
-  walking the module tree (a third of a bridged layer call's host time). The walk is redone when
-  any submodule's parameter, buffer or submodule entries change.
-
-  Example:
-    >>> params, buffers, training = _StateWalk(torch.nn.Linear(2, 3)).state()
-    >>> sorted(params)
-    ['bias', 'weight']
-  """
-
-  def __init__(self, module):
-    self.module = weakref.ref(module)  # weak: a cache of walks keyed by module lets it go
-    self.walks = 0  # how many times the module was walked (a new walk: its layout changed)
-    self._walk()
-
-  def _walk(self):
-    self.walks += 1
-    # a submodule used at two paths is one place: its tensors go in once, under its first path
-    named = list(self.module().named_modules())
-    self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(sub._parameters),
-                     tuple(sub._buffers), tuple(sub._modules.items())) for prefix, sub in named]
-
-  def _unchanged(self):
-    for _, ref, param_keys, buffer_keys, submodules in self.entries:
-      sub = ref()
-      if (tuple(sub._parameters) != param_keys or tuple(sub._buffers) != buffer_keys or
-          tuple(sub._modules.items()) != submodules):
-        return False
-    return True
-
-  def state(self):
-    """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
-    tied between two submodules is passed under both names (its gradient sums over the uses in
-    torch's backward)."""
-    if not self._unchanged():
-      self._walk()
-    params, buffers, training = {}, {}, []
-    for prefix, sub, param_keys, buffer_keys, _ in self.entries:
-      sub = sub()
-      training.append(sub.training)
-      for key in param_keys:
-        value = sub._parameters[key]
-        if value is not None:
-          params[prefix + key] = value
-      for key in buffer_keys:
-        value = sub._buffers[key]
-        if value is not None:
-          buffers[prefix + key] = value
-    return params, buffers, tuple(training)
 
 
 _SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers
@@ -414,21 +336,21 @@ class BridgeModule(torch.nn.Module):
     torch.Size([8, 8])
   """
 
-  def __init__(self, module, *, remat=None):
+  def __init__(self, module: torch.nn.Module, *, remat: Any = None):
     super().__init__()
     if not isinstance(module, torch.nn.Module):
       raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
     object.__setattr__(self, "_wrapped", module)
-    object.__setattr__(self, "_state", _StateWalk(module))
+    object.__setattr__(self, "_state", modules.StateWalk(module))
     self._parameters = module._parameters
     self._buffers = module._buffers
     self._non_persistent_buffers_set = module._non_persistent_buffers_set
     self._modules = module._modules
     self.training = module.training
-    key = structure_key(module)
+    key = modules.structure_key(module)
     shared = _SHARED.get((key, remat)) if key is not None else None
     if shared is None:
-      shared = Bridged(functools.partial(_module_forward, module), remat=remat,
+      shared = Bridged(functools.partial(modules.module_forward, module), remat=remat,
                        name=type(module).__name__)
       if key is not None:
         _SHARED[(key, remat)] = shared

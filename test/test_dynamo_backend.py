@@ -4,7 +4,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import compile as jb_compile
+from torch_xla_jaxbridge import dynamo_backend
 
 
 def mlp_loss(x, w1, w2):
@@ -85,7 +85,7 @@ def test_graph_break_falls_back_to_eager_between_bridged_graphs():
 
   def counting_backend(gm, example_inputs):
     graphs.append(gm)
-    return jb_compile.jaxbridge_backend(gm, example_inputs)
+    return dynamo_backend.jaxbridge_backend(gm, example_inputs)
 
   def fn(x):
     y = torch.sin(x) * 2

@@ -107,7 +107,7 @@ def test_captured_tensor_error(dev):
     return x * outside
 
   with pytest.raises(jb.errors.CapturedTensorError, match=r"uses_outside: a torch tensor that "
-                     r"is not an argument .* used at .*test_autograd.py:\d+: return x \* outside"
+                     r"is not an argument .* used at .*test_bridging.py:\d+: return x \* outside"
                      r".*pass them in as arguments"):
     uses_outside(torch.ones(3, device=dev))
 
@@ -255,7 +255,7 @@ def test_data_dependent_control_flow_names_the_line(dev, fn, line, hint):
     jb.bridge(fn)(torch.randn(5, device=dev))
   message = str(caught.value)
   assert message.startswith(f"{fn.__name__}: data-dependent Python control flow at ")
-  assert "test_autograd.py:" in message and line in message
+  assert "test_bridging.py:" in message and line in message
   assert hint in message and "docs/control_flow.md (torch.cond" in message
 
 
@@ -269,7 +269,7 @@ def test_leak_to_a_global_list_is_reported_at_the_call(dev):
     return y
 
   with pytest.raises(jb.errors.LeakedTensorError, match=r"leaky_fwd: a tensor computed inside "
-                     r"the traced function was kept outside it, in test_autograd.LEAKED"):
+                     r"the traced function was kept outside it, in test_bridging.LEAKED"):
     jb.bridge(leaky)(torch.ones(3, device=dev))
   LEAKED.clear()
 
@@ -298,10 +298,25 @@ def test_mutating_an_input_that_requires_grad_is_refused(dev):
 
 
 def test_unhashable_static_argument_is_named(dev):
-  with pytest.raises(jb.errors.BadArgumentError, match=r"scale: kwargs\['cfg'\]\['factors'\] is a "
-                     r"ndarray, which is not hashable"):
+  class Config:
+    __hash__ = None
+
+  with pytest.raises(jb.errors.BadArgumentError, match=r"scale: kwargs\['cfg'\]\['opts'\] is a "
+                     r"Config, which is not hashable, so it cannot key the trace cache"):
     jb.bridge(lambda x, cfg: x * 2, name="scale")(torch.ones(2, device=dev),
-                                                  cfg={"factors": __import__("numpy").ones(2)})
+                                                  cfg={"opts": Config()})
+
+
+def test_numpy_static_argument_keys_by_value(dev):
+  """A NumPy array is a static value keyed by its contents, as in call_jax."""
+  import numpy as np
+
+  scale = jb.bridge(lambda x, factors: x * torch.tensor(factors, dtype=x.dtype), name="scale")
+  x = torch.ones(2, device=dev)
+  assert scale(x, np.array([2.0, 3.0])).cpu().tolist() == [2.0, 3.0]
+  assert scale(x, np.array([2.0, 3.0])).cpu().tolist() == [2.0, 3.0]
+  assert scale(x, np.array([4.0, 5.0])).cpu().tolist() == [4.0, 5.0]
+  assert jb.cache_info()[:2] == (1, 2)
 
 
 def test_missing_rng_seed_is_named(dev):
@@ -364,9 +379,9 @@ def test_module_state_is_read_fresh_after_structure_changes(dev):
 
 
 def test_constant_key_is_device_data_so_the_first_step_graph_is_the_same(dev):
-  from torch_xla_jaxbridge import autograd
+  from torch_xla_jaxbridge import rng
 
-  key = autograd._constant_key(dev)
+  key = rng.constant_key_data(dev)
   assert "xla::device_data" in torch_xla._XLAC._get_xla_tensors_text([key])
 
 

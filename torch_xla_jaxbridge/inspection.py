@@ -3,10 +3,11 @@
 Both work on shapes alone: the example arguments may be CPU or XLA tensors, and nothing runs.
 """
 import dataclasses
+from typing import Any, Callable
 
 import torch
 
-from torch_xla_jaxbridge import call, convert, dtypes, runtime
+from torch_xla_jaxbridge import _compat, bridging, call, diagnostics, dtypes, modules, runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class ResidualReport:
     return "\n".join(lines)
 
 
-def saved_residuals(fn, *args, remat=None, **kwargs):
+def saved_residuals(fn: Callable, *args: Any, remat: Any = None, **kwargs: Any) -> ResidualReport:
   """Reports what the backward of bridged `fn(*args, **kwargs)` keeps, one row per residual.
 
   Args:
@@ -65,29 +66,30 @@ def saved_residuals(fn, *args, remat=None, **kwargs):
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
-    >>> report = jb.saved_residuals(torch.nn.Linear(4, 4), torch.ones(2, 4), remat="full")
-    >>> print(report)  # doctest: +SKIP
+    >>> report = jb.saved_residuals(torch.nn.Linear(4, 4), torch.ones(2, 4))
+    >>> report.rows[0].name, report.total_bytes
+    ('argument args[0]', 64)
   """
   jax = runtime.jax_module()
-  call = _abstract_call(fn, args, kwargs, remat)
+  call = abstract_call(fn, args, kwargs, remat)
   bridged, spec, diff, other, key, paths = call
 
   def linearized(diff, other, key):
-    run = lambda *d: bridged._run(spec, d, other, key)[0]  # noqa: E731
+    run = lambda *d: bridged.run(spec, d, other, key)[0]  # noqa: E731
     if bridged.policy is not None:
       run = jax.checkpoint(run, policy=bridged.policy)
     return jax.linearize(run, *diff)
 
   with _x64_if_needed(diff + other):
     closed, out_shape = jax.make_jaxpr(linearized, return_shape=True)(diff, other, key)
-    plain = jax.make_jaxpr(lambda d, o, k: bridged._run(spec, d, o, k)[0])(diff, other, key)
+    plain = jax.make_jaxpr(lambda d, o, k: bridged.run(spec, d, o, k)[0])(diff, other, key)
   named_sites = _named_sites(plain.jaxpr)
   jaxpr = closed.jaxpr
   count = len(jax.tree.leaves(out_shape[1]))
   residual_vars = jaxpr.outvars[len(jaxpr.outvars) - count:]
   input_names = dict(zip(jaxpr.invars, paths + ["rng key"]))
   producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  named = {v: eqn.params["name"] for eqn in jaxpr.eqns if eqn.primitive.name == "name"
+  named = {v: eqn.params["name"] for eqn in jaxpr.eqns if _compat.is_checkpoint_name(eqn.primitive)
            for v in eqn.invars + eqn.outvars if hasattr(v, "count")}
   rows = []
   for var in residual_vars:
@@ -115,7 +117,8 @@ def saved_residuals(fn, *args, remat=None, **kwargs):
   return ResidualReport(tuple(rows))
 
 
-def lower_bridged(fn, *args, platform, remat=None, **kwargs):
+def lower_bridged(fn: Callable, *args: Any, platform: str, remat: Any = None,
+                  **kwargs: Any) -> tuple:
   """The forward and backward halves of bridged `fn`, lowered for `platform`, as StableHLO text.
 
   Use it to check what a TPU or GPU would get (host-offload annotations, shardings) on a machine
@@ -128,63 +131,56 @@ def lower_bridged(fn, *args, platform, remat=None, **kwargs):
     True
   """
   jax = runtime.jax_module()
-  from jax._src import config as jax_config
-
-  from torch_xla_jaxbridge import autograd
-
-  bridged, spec, diff, other, key, _ = _abstract_call(fn, args, kwargs, remat)
-  with _x64_if_needed(diff + other), jax_config.use_shardy_partitioner(False):
-    traced = jax.jit(bridged._forward_half, static_argnums=0).trace(spec, diff, other, key)
+  bridged, spec, diff, other, key, _ = abstract_call(fn, args, kwargs, remat)
+  with _x64_if_needed(diff + other), _compat.gspmd_partitioner():
+    traced = jax.jit(bridged.forward_half, static_argnums=0).trace(spec, diff, other, key)
     forward = traced.lower(lowering_platforms=(platform,)).as_text()
     floats, _, _, saved, _ = traced.out_info
     cotangents = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in floats]
     saved = (saved[0], [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in saved[1]])
     inputs = [diff[i] for i in saved[0].inputs]
-    backward = jax.jit(autograd._backward_half).trace(saved, inputs, cotangents).lower(
+    backward = jax.jit(bridging.backward_half).trace(saved, inputs, cotangents).lower(
         lowering_platforms=(platform,)).as_text()
   return forward, backward
 
 
-def _abstract_call(fn, args, kwargs, remat):
-  """(bridged, spec, diff avals, other avals, key aval, readable paths) for an example call."""
-  jax = runtime.jax_module()
-  from torch_xla_jaxbridge import autograd
+def abstract_call(fn, args, kwargs, remat):
+  """`(bridged, spec, diff avals, other avals, key aval, readable paths)` for an example call of
+  `fn` (a function, module, bridged function or BridgeModule): what `saved_residuals` and
+  `lower_bridged` trace.
 
-  if isinstance(fn, autograd.BridgeModule):
+  Example:
+    >>> bridged, spec, diff, other, key, paths = abstract_call(
+    ...     torch.nn.Linear(2, 2), (torch.ones(1, 2),), {}, None)
+    >>> paths
+    ['param bias', 'param weight', 'args[0]']
+  """
+  jax = runtime.jax_module()
+  if isinstance(fn, bridging.BridgeModule):
     fn = fn.wrapped
-  if isinstance(fn, torch.nn.Module):
+  is_module = isinstance(fn, torch.nn.Module)
+  if is_module:
     module = fn
-    call_args = ((dict(module.named_parameters(remove_duplicate=False)),
-                  dict(module.named_buffers(remove_duplicate=False)),
-                  tuple(m.training for m in module.modules()), args, kwargs), {})
-    target = autograd.Bridged(lambda *a: autograd._module_forward(module, *a),
-                              remat=remat, name=type(module).__name__)
+    params, buffers, training = modules.module_state(module)
+    call_args = ((params, buffers, training, args, kwargs), {})
+    target = bridging.Bridged(lambda *a: modules.module_forward(module, *a),
+                            remat=remat, name=type(module).__name__)
   else:
-    bridged = fn if isinstance(fn, autograd.Bridged) else None
+    bridged = fn if isinstance(fn, bridging.Bridged) else None
     own = bridged.fn if bridged else fn
-    target = autograd.Bridged(own, remat=remat, name=bridged.name if bridged else None)
+    target = bridging.Bridged(own, remat=remat, name=bridged.name if bridged else None)
     if remat is None and bridged is not None:
       target.policy, target.offloads = bridged.policy, bridged.offloads
     call_args = (args, kwargs)
-  autograd._register_static_pytree()
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(call_args)
-  markers, diff, other, diff_paths, other_paths = [], [], [], [], []
-  for path, leaf in with_path:
-    if isinstance(leaf, torch.Tensor):
-      aval = jax.ShapeDtypeStruct(tuple(leaf.shape), dtypes.to_jax(leaf.dtype))
-      if leaf.requires_grad:
-        markers.append(autograd._DIFF)
-        diff.append(aval)
-        diff_paths.append(_path_name(path, isinstance(fn, torch.nn.Module)))
-      else:
-        markers.append(autograd._OTHER)
-        other.append(aval)
-        other_paths.append(_path_name(path, isinstance(fn, torch.nn.Module)))
-    else:
-      markers.append(leaf)
-  spec = autograd._Spec(treedef, tuple(markers))
+  bridging.register_static_pytree()
+  spec, diff, other = bridging.Spec.split(call_args, lambda t: t.requires_grad, target.name)
+  names = [_path_name(path, is_module)
+           for path, _ in jax.tree_util.tree_flatten_with_path(call_args)[0]]
+  paths = [n for n, m in zip(names, spec.leaves) if m is bridging.DIFF]
+  paths += [n for n, m in zip(names, spec.leaves) if m is bridging.OTHER]
+  aval = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), dtypes.to_jax(t.dtype))  # noqa: E731
   key = jax.ShapeDtypeStruct((2,), jax.numpy.int32)
-  return target, spec, diff, other, key, diff_paths + other_paths
+  return target, spec, [aval(t) for t in diff], [aval(t) for t in other], key, paths
 
 
 def _path_name(path, is_module):
@@ -208,22 +204,17 @@ def _named_sites(jaxpr):
   producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
   sites = {}
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "name" and eqn.invars[0] in producers:
+    if _compat.is_checkpoint_name(eqn.primitive) and eqn.invars[0] in producers:
       sites[_site(producers[eqn.invars[0]], eqn.invars[0])] = eqn.params["name"]
   return sites
 
 
 def _user_line(source_info):
-  from jax._src import source_info_util
-
-  frames = list(source_info_util.user_frames(source_info.traceback))
-  for frame in frames:
-    if not convert.is_library_file(frame.file_name):
+  for frame in _compat.user_frames(source_info):
+    if not diagnostics.is_library_file(frame.file_name):
       return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
   return "<library code>"
 
 
 def _x64_if_needed(avals):
-  from jax._src import config as jax_config
-
-  return jax_config.enable_x64(any(a.dtype.itemsize == 8 for a in avals))
+  return _compat.enable_x64(dtypes.needs_x64([a.dtype for a in avals]))

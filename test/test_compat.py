@@ -1,0 +1,161 @@
+"""Each private internal `_compat` relies on, checked directly: a version bump fails here, by name."""
+import threading
+
+import jax
+import pytest
+import torch
+
+from torch_xla_jaxbridge import _compat, tracing
+
+
+@pytest.mark.parametrize("name", _compat.XLAC_FUNCTIONS)
+def test_torch_xla_entry_point_exists(name):
+  assert callable(getattr(_compat.xlac(), name, None)), f"torch_xla._XLAC.{name} is gone"
+
+
+def test_trace_context_is_hashable_and_follows_x64():
+  with _compat.enable_x64(False):
+    off = _compat.trace_context()
+  with _compat.enable_x64(True):
+    on = _compat.trace_context()
+  assert hash(off) != hash(on) and off != on
+
+
+def test_enable_x64_is_per_thread():
+  seen = []
+  with _compat.enable_x64(True):
+    assert jax.numpy.ones(1, jax.numpy.int64).dtype == jax.numpy.int64
+    worker = threading.Thread(target=lambda: seen.append(jax.numpy.ones(1, "int64").dtype))
+    worker.start()
+    worker.join()
+  assert str(seen[0]) == "int32"
+
+
+def test_gspmd_partitioner_lowers_sharding_as_mhlo():
+  from torch_xla_jaxbridge import spmd
+
+  tiles = spmd.Tiles((2, 1), (0, 1), False)
+  constraint = spmd._primitive()
+  with _compat.gspmd_partitioner():
+    text = jax.jit(lambda x: constraint.bind(x, tiles=tiles)).lower(
+        jax.ShapeDtypeStruct((4, 2), jax.numpy.float32)).as_text()
+  assert 'mhlo.sharding = "{devices=[2,1]0,1}"' in text and "@Sharding" in text
+
+
+def test_checkpoint_name_binds_the_primitive_compat_names():
+  from jax.ad_checkpoint import checkpoint_name
+
+  eqns = jax.make_jaxpr(lambda x: checkpoint_name(x * 2, "scaled"))(1.0).jaxpr.eqns
+  named = [e for e in eqns if _compat.is_checkpoint_name(e.primitive)]
+  assert [e.params["name"] for e in named] == ["scaled"]
+
+
+def test_user_frames_reach_this_file():
+  eqn = jax.make_jaxpr(lambda x: x * 2)(1.0).jaxpr.eqns[0]
+  assert any(f.file_name.endswith("test_compat.py") for f in _compat.user_frames(eqn.source_info))
+
+
+def test_leak_error_is_recognised():
+  kept = []
+  with pytest.raises(Exception) as info:
+    with jax.checking_leaks():
+      jax.jit(lambda x: kept.append(x) or x).trace(1.0)
+  assert _compat.is_leak_error(info.value)
+
+
+def test_while_loop_gradient_error_is_recognised():
+  loop = lambda x: jax.lax.while_loop(lambda c: c < 3.0, lambda c: c * 2, x)  # noqa: E731
+  with pytest.raises(ValueError) as info:
+    jax.grad(loop)(1.0)
+  assert _compat.is_while_loop_gradient_error(info.value)
+
+
+def test_dlpack_cpu_import_shares_memory():
+  import numpy as np
+
+  to_buffer = _compat.dlpack_cpu_import()
+  assert to_buffer is not None, "jaxlib's dlpack_managed_tensor_to_buffer is gone (slower path)"
+  source = torch.arange(16.0)
+  array = to_buffer(torch.utils.dlpack.to_dlpack(source), jax.devices("cpu")[0], None)
+  np.testing.assert_array_equal(np.asarray(array), source.numpy())
+
+
+def test_set_array_replaces_a_torchax_tensors_value():
+  import torchax.tensor
+
+  t = torchax.tensor.Tensor(jax.numpy.zeros(2), tracing.environment())
+  _compat.set_array(t, jax.numpy.ones(2))
+  assert t.jax().tolist() == [1.0, 1.0]
+
+
+def test_environment_hooks_exist_on_torchax():
+  import torchax.tensor
+
+  for hook in ("_should_use_torchax_tensor", "_is_same_device", "t2j_iso"):
+    assert callable(getattr(torchax.tensor.Environment, hook, None)), hook
+
+
+def test_environment_reports_a_plain_tensor_in_traced_math():
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def report(t):
+    seen.append(tuple(t.shape))
+    raise Stop
+
+  import torchax.config
+  import torchax.tensor
+
+  env = _compat.environment_class(report)(
+      torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
+  plain = torch.ones(3)  # made outside: inside the environment it would be traced too
+  with env, pytest.raises(Stop):
+    torchax.tensor.Tensor(jax.numpy.ones(3), env) + plain
+  assert seen == [(3,)]
+
+
+def test_current_key_changes_when_code_draws():
+  env = tracing.environment()
+  key = jax.random.key(0)
+  with env.override_property(prng=key):
+    assert _compat.current_key(env) is key
+    with env:
+      torch.rand(2)
+    assert _compat.current_key(env) is not key
+
+
+def test_batch_norm_forward_returns_out_mean_rstd():
+  x = jax.numpy.arange(8.0).reshape(4, 2)
+  stats = jax.numpy.zeros(2), jax.numpy.ones(2)
+  out, mean, rstd = _compat.batch_norm_forward(x, None, None, *stats, True, 0.1, 1e-5)
+  assert out.shape == (4, 2) and mean.shape == (2,) and rstd.shape == (2,)
+
+
+def test_higher_order_rule_runs_under_torchax():
+  from torch_xla_jaxbridge import bridge
+
+  branchy = bridge(lambda x: torch.cond(x.sum() > 0, lambda v: v * 2, lambda v: v - 1, (x,)))
+  assert branchy(torch.ones(2, device="xla")).cpu().tolist() == [2.0, 2.0]
+
+
+def test_torch_checkpoint_wrapper_reads_the_hook():
+  import torch.utils.checkpoint
+
+  target = _compat.torch_checkpoint_target()
+  calls = []
+  before = target.__dict__.get(_compat.CHECKPOINT_HOOK)
+  setattr(target, _compat.CHECKPOINT_HOOK, lambda fn, *a, **k: calls.append(fn) or fn(*a))
+  try:
+    assert torch.utils.checkpoint.checkpoint(lambda x: x + 1, 1, use_reentrant=False) == 2
+  finally:
+    if before is None:
+      delattr(target, _compat.CHECKPOINT_HOOK)
+    else:
+      setattr(target, _compat.CHECKPOINT_HOOK, before)
+  assert len(calls) == 1
+
+
+def test_dynamo_disabled_calls_through():
+  assert _compat.dynamo_disabled(lambda x: x * 3)(2) == 6

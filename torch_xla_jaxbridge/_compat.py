@@ -1,0 +1,308 @@
+"""Every private JAX, torch, torchax and torch_xla internal the package relies on, in one place.
+
+Each entry says why it is needed, what breaks if it changes, and the public alternative if any.
+`test/test_compat.py` checks each assumption directly, so a version bump fails there with a clear
+message instead of deep inside a trace. Nothing else in the package imports a private module or
+reads a private attribute of another library.
+"""
+import functools
+
+
+# --- torch_xla: the C++ entry points (no public Python API for these) ---------------------------
+
+def xlac():
+  """torch_xla's C++ module. Used for: the user-computation IR node (`_xla_user_computation`), a
+  computation from an HLO proto, reading and setting a tensor's sharding, replacing a tensor's
+  data, syncing chosen tensors. If a name goes, `test_compat` names it; no public alternative.
+
+  Example:
+    >>> callable(xlac()._xla_user_computation)
+    True
+  """
+  import torch_xla
+
+  return torch_xla._XLAC
+
+
+XLAC_FUNCTIONS = ("_xla_user_computation", "_xla_op_computation_from_module_proto",
+                  "_get_xla_op_sharding", "_xla_mark_sharding", "_replace_xla_tensor",
+                  "_xla_sync_multi", "_init_computation_client", "_get_xla_sharding_spec")
+
+
+def init_computation_client():
+  """Creates torch_xla's PJRT client now (it is otherwise made on first use). It must exist
+  before JAX claims the device, and before torch's autograd engine sizes its per-device queues.
+
+  Example:
+    >>> init_computation_client()
+  """
+  xlac()._init_computation_client()
+
+
+def _jax():
+  init_computation_client()
+  import jax
+
+  return jax
+
+
+# --- JAX -----------------------------------------------------------------------------------------
+
+def trace_context():
+  """JAX's trace-time config (x64, matmul precision, ...) as a hashable value: part of every
+  cache key, so a trace made under other settings is not reused. Breaks: every call re-traces or
+  none does; `test_compat` checks it is hashable and changes with x64.
+
+  Example:
+    >>> hash(trace_context()) is not None
+    True
+  """
+  _jax()
+  from jax._src import config
+
+  return config.trace_context()
+
+
+def enable_x64(on):
+  """Context: JAX's 64-bit mode on or off for this thread only (`jax.enable_x64` is deprecated
+  and flips it for every thread).
+
+  Example:
+    >>> with enable_x64(False):
+    ...   pass
+  """
+  _jax()
+  from jax._src import config
+
+  return config.enable_x64(bool(on))
+
+
+def gspmd_partitioner():
+  """Context: lower with GSPMD shardings (`mhlo.sharding`), which torch_xla partitions, not
+  Shardy's. Public alternative: `jax.config.update("jax_use_shardy_partitioner", False)`, which
+  is global.
+
+  Example:
+    >>> with gspmd_partitioner():
+    ...   pass
+  """
+  _jax()
+  from jax._src import config
+
+  return config.use_shardy_partitioner(False)
+
+
+def wrap_with_sharding_op(ctx, value, aval, op_sharding):
+  """Lowering helper: an HLO `Sharding` custom call on `value` (GSPMD form under
+  `gspmd_partitioner()`). Used by `jb.spmd`'s constraint primitive; `jax.lax.with_sharding_
+  constraint` would need a JAX mesh over JAX's devices, which torch_xla owns.
+
+  Example:
+    >>> callable(wrap_with_sharding_op)
+    True
+  """
+  from jax._src.interpreters import mlir
+
+  return mlir.wrap_with_sharding_op(ctx, value, aval, op_sharding)
+
+
+def op_sharding():
+  """A new, empty `xla_client.OpSharding` (the proto JAX lowers shardings from).
+
+  Example:
+    >>> op_sharding().tile_assignment_dimensions
+    []
+  """
+  _jax()
+  from jax._src.lib import xla_client
+
+  return xla_client.OpSharding()
+
+
+def is_checkpoint_name(primitive):
+  """Whether a jaxpr equation's primitive is the one `jax.ad_checkpoint.checkpoint_name` binds;
+  its `params["name"]` is the name. Used to name residuals in `jb.saved_residuals`.
+
+  Example:
+    >>> jax = _jax()
+    >>> from jax.ad_checkpoint import checkpoint_name
+    >>> eqn = jax.make_jaxpr(lambda x: checkpoint_name(x, "a"))(1.0).jaxpr.eqns[0]
+    >>> is_checkpoint_name(eqn.primitive)
+    True
+  """
+  _jax()
+  from jax._src import ad_checkpoint
+
+  return primitive is ad_checkpoint.name_p
+
+
+def user_frames(source_info):
+  """The frames of a jaxpr equation's source traceback outside JAX, innermost first.
+
+  Example:
+    >>> jax = _jax()
+    >>> eqn = jax.make_jaxpr(lambda x: x * 2)(1.0).jaxpr.eqns[0]
+    >>> len(list(user_frames(eqn.source_info))) > 0
+    True
+  """
+  from jax._src import source_info_util
+
+  return source_info_util.user_frames(source_info.traceback)
+
+
+def is_leak_error(exc):
+  """Whether `exc` is the report of `jax.checking_leaks()`: JAX raises a plain Exception whose
+  message starts with "Leaked trace" (no class to catch).
+
+  Example:
+    >>> is_leak_error(Exception("Leaked trace DynamicJaxprTrace"))
+    True
+  """
+  return str(exc).startswith("Leaked trace")
+
+
+def is_while_loop_gradient_error(exc):
+  """Whether `exc` is JAX's refusal to differentiate `lax.while_loop` in reverse mode (a
+  ValueError identified by its message).
+
+  Example:
+    >>> is_while_loop_gradient_error(ValueError("x"))
+    False
+  """
+  return "Reverse-mode differentiation does not work for lax.while_loop" in str(exc)
+
+
+def dlpack_cpu_import():
+  """JAX's own DLPack import onto its CPU device, or None where this JAX lacks it. The public
+  `jax.dlpack.from_dlpack` wraps it in conversions that cost an order of magnitude more host time
+  per call (docs/performance.md).
+
+  Example:
+    >>> dlpack_cpu_import() is None or callable(dlpack_cpu_import())
+    True
+  """
+  _jax()
+  from jax._src.lib import xla_client
+
+  return getattr(xla_client._xla, "dlpack_managed_tensor_to_buffer", None)
+
+
+# --- torchax -------------------------------------------------------------------------------------
+
+def set_array(tensor, array):
+  """Replaces the JAX array inside a torchax tensor (in-place updates: batch norm statistics,
+  `xs.mark_sharding`). Reading is public (`tensor.jax()`); writing is not.
+
+  Example:
+    >>> jax = _jax()
+    >>> import torchax.tensor
+    >>> from torch_xla_jaxbridge import tracing
+    >>> t = torchax.tensor.Tensor(jax.numpy.zeros(2), tracing.environment())
+    >>> set_array(t, jax.numpy.ones(2)); t.jax().tolist()
+    [1.0, 1.0]
+  """
+  tensor._elem = array
+
+
+def environment_class(on_plain_tensor):
+  """A torchax Environment in which new tensors are JAX values whatever device they name: it
+  overrides torchax's `_should_use_torchax_tensor` and `_is_same_device` (private hooks; if they
+  are renamed, `torch.zeros(3, device="cpu")` inside bridged code becomes a real CPU tensor and
+  math with it an error). `on_plain_tensor(t)` is called for a plain torch tensor that traced
+  code mixes into its math (torchax only `assert`s, which `python -O` removes).
+
+  Example:
+    >>> env_type = environment_class(on_plain_tensor=print)
+  """
+  import torchax.tensor
+
+  class BridgeEnvironment(torchax.tensor.Environment):
+
+    def _should_use_torchax_tensor(self, device):
+      return True
+
+    def _is_same_device(self, the_tensor, new_device):
+      return True
+
+    def t2j_iso(self, torchtensors):
+      import torch
+
+      for leaf in torch.utils._pytree.tree_leaves(torchtensors):
+        if isinstance(leaf, torch.Tensor) and not isinstance(
+            leaf, (torchax.tensor.Tensor, torchax.tensor.View)):
+          on_plain_tensor(leaf)
+      return super().t2j_iso(torchtensors)
+
+  return BridgeEnvironment
+
+
+def current_key(env):
+  """The PRNG key torchax draws from now (changes when code draws random numbers).
+
+  Example:
+    >>> from torch_xla_jaxbridge import tracing
+    >>> current_key(tracing.environment()) is not None
+    True
+  """
+  return env.param.prng
+
+
+def batch_norm_forward(*args):
+  """torchax's batch norm kernel on arrays: `(out, mean, rstd)`. The package reuses it and adds
+  the running-statistics update torchax drops.
+
+  Example:
+    >>> callable(batch_norm_forward)
+    True
+  """
+  from torchax.ops import jaten
+
+  return jaten._aten__native_batch_norm_legit(*args)
+
+
+def register_higher_order_rule(operator, rule):
+  """Makes torch's higher-order `operator` (cond, while_loop) run `rule(mode, ...)` under
+  torchax's dispatch mode. torch's `py_impl` is the registration torch's own modes use.
+
+  Example:
+    >>> callable(register_higher_order_rule)
+    True
+  """
+  import torchax.tensor
+
+  operator.py_impl(torchax.tensor.XLADispatchMode)(rule)
+
+
+# --- torch ---------------------------------------------------------------------------------------
+
+CHECKPOINT_HOOK = "__dynamo_disable"
+
+
+@functools.cache
+def torch_checkpoint_target():
+  """The function inside torch's `torch.utils.checkpoint.checkpoint` wrapper. The wrapper calls
+  the function stored as its `__dynamo_disable` attribute (a cache torch fills on first use), so
+  setting that attribute reroutes every reference to `checkpoint`, however it was imported. If
+  torch changes this, `torch.utils.checkpoint` inside bridged code runs without recomputation
+  (still correct); `test_compat` checks the wrapper reads the attribute.
+
+  Example:
+    >>> torch_checkpoint_target().__name__
+    'checkpoint'
+  """
+  import torch.utils.checkpoint
+
+  return torch.utils.checkpoint.checkpoint.__wrapped__
+
+
+def dynamo_disabled(fn):
+  """What torch's wrapper stores in the hook when nobody else does.
+
+  Example:
+    >>> callable(dynamo_disabled(print))
+    True
+  """
+  import torch._dynamo
+
+  return torch._dynamo.disable(fn, recursive=True, wrapping=False)
+

@@ -1,11 +1,25 @@
-"""Shared fixtures: the XLA device and a clean `call_jax` cache per test."""
+"""Shared fixtures: the XLA device, a clean `call_jax` cache per test, recipe runs shared by the
+tests that read them, and the 4-device SPMD checks started in the background at session start.
+
+XLA's CPU backend compiles at optimization level 0 here (most of the suite's time is XLA
+compiling training steps; the tests check the bridge, not XLA's code generation). Set
+`XLA_FLAGS=--xla_backend_optimization_level=2` to run the suite against optimized code.
+"""
 import os
+import pathlib
+import subprocess
+import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 " +
+                             os.environ.get("XLA_FLAGS", "")).strip()
 
 import pytest  # noqa: E402
 import torch_xla_jaxbridge as jb  # noqa: E402
 import torch_xla  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
 
 
 @pytest.fixture
@@ -18,3 +32,53 @@ def fresh_cache():
   jb.clear_cache()
   yield
   torch_xla.sync()
+
+
+@pytest.fixture(scope="session")
+def recipe_run(tmp_path_factory):
+  """`run(*overrides)`: (losses, out dir) of a 3-step recipe run, trained once per session."""
+  from torch_xla_jaxbridge.recipes import config, train
+
+  runs = {}
+
+  def run(*overrides):
+    if overrides not in runs:
+      out = tmp_path_factory.mktemp("recipe")
+      cfg = config.load(["train.steps=3", "train.checkpoint_every=0", f"out={out}", *overrides])
+      runs[overrides] = train.train(cfg, log=lambda line: None), out
+    losses, out = runs[overrides]
+    return list(losses), out
+
+  return run
+
+
+class SpmdRun:
+  """test/spmd_check.py in its own process (SPMD is process-global): 4 virtual CPU devices."""
+
+  def __init__(self, out):
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          " --xla_force_host_platform_device_count=4").strip())
+    self.stdout, self.stderr = out / "stdout.txt", out / "stderr.txt"
+    with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:  # files: no pipe fills
+      self.process = subprocess.Popen([sys.executable, str(HERE / "spmd_check.py"), str(out)],
+                                      env=env, stdout=stdout, stderr=stderr, cwd=HERE.parent)
+
+  def wait(self, timeout=600):
+    """The exit code, stdout and the end of stderr."""
+    code = self.process.wait(timeout)
+    return code, self.stdout.read_text(), self.stderr.read_text()[-4000:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spmd_run(request, tmp_path_factory):
+  """Started before the first test when test_spmd.py's facts will be needed, so the 4-device
+  process runs on the second core while the other tests run; None otherwise."""
+  if not any("facts" in item.fixturenames for item in request.session.items):
+    yield None
+    return
+  run = SpmdRun(tmp_path_factory.mktemp("spmd"))
+  yield run
+  if run.process.poll() is None:
+    run.process.kill()
+    run.process.wait()

@@ -84,8 +84,8 @@ def three_steps(tmp_path, *overrides):
 
 
 @pytest.fixture(scope="module")
-def lazy_tensor_losses(tmp_path_factory):
-  return three_steps(tmp_path_factory.mktemp("plain"), "remat.bridge=none")
+def lazy_tensor_losses(recipe_run):
+  return recipe_run("remat.bridge=none")[0]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -94,13 +94,13 @@ def lazy_tensor_losses(tmp_path_factory):
     ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
     ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
 ], ids=lambda o: " ".join(o) or "bridged")
-def test_losses_match_plain_lazy_tensor(tmp_path, lazy_tensor_losses, overrides):
+def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, overrides):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # offload on CPU warns; test_remat checks that warning
-    losses = three_steps(tmp_path, *overrides)
+    losses, out = recipe_run(*overrides)  # the bridged and scan runs: test_spmd's references
   assert losses == pytest.approx(lazy_tensor_losses, rel=2e-4)
   assert lazy_tensor_losses[2] < lazy_tensor_losses[0]
-  summary = json.loads((tmp_path / "summary.json").read_text())
+  summary = json.loads((out / "summary.json").read_text())
   assert summary["steps_run"] == 3 and summary["residual_bytes_per_layer"] > 0
 
 

@@ -1,22 +1,40 @@
 """Device selection: PJRT_DEVICE=CPU by default, the user's choice otherwise, and JAX import order."""
 import os
+import pathlib
 import subprocess
 import sys
 
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]  # the working directory: this checkout's package
 PROBE = ("import torch_xla_jaxbridge, os, torch_xla, torch_xla.runtime as xr, jax\n"
          "print(os.environ.get('PJRT_DEVICE'), xr.device_type(), jax.config.jax_enable_x64)\n")
+JAX_FIRST = ("import jax, jax.numpy as jnp, torch\n"
+             "import torch_xla_jaxbridge as jb\n"
+             "x = torch.ones(2, device='xla')\n"
+             "print(jb.call_jax(lambda a: a + jnp.float32(1), (x,)).cpu().tolist())\n")
 
 
-def run(env):
+def start(code, env):
+  return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters():
+  """(exit code, stdout, stderr) of each fresh interpreter, started together (each spends seconds
+  importing the stack)."""
   clean = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "TPU_NUM_DEVICES",
                                                             "GPU_NUM_DEVICES")}
-  out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True,
-                       text=True, check=True)
-  return out.stdout.split(), out.stderr
+  running = {"probe": start(PROBE, clean), "jax_first": start(JAX_FIRST, dict(os.environ))}
+  outputs = {name: process.communicate(timeout=300) for name, process in running.items()}
+  return {name: (running[name].returncode, *outputs[name]) for name in running}
 
 
-def test_cpu_is_the_default_without_a_warning():
-  (chosen, device, x64), stderr = run({})
+def test_cpu_is_the_default_without_a_warning(fresh_interpreters):
+  code, stdout, stderr = fresh_interpreters["probe"]
+  assert code == 0, stderr[-4000:]
+  chosen, device, x64 = stdout.split()
   assert (chosen, device, x64) == ("CPU", "CPU", "False")
   assert "Defaulting to PJRT_DEVICE" not in stderr
 
@@ -35,10 +53,7 @@ def test_user_choice_is_kept(monkeypatch):
   assert os.environ["PJRT_DEVICE"] == "CPU"
 
 
-def test_jax_imported_first_still_works():
-  code = ("import jax, jax.numpy as jnp, torch\n"
-          "import torch_xla_jaxbridge as jb\n"
-          "x = torch.ones(2, device='xla')\n"
-          "print(jb.call_jax(lambda a: a + jnp.float32(1), (x,)).cpu().tolist())\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "[2.0, 2.0]"
+def test_jax_imported_first_still_works(fresh_interpreters):
+  code, stdout, stderr = fresh_interpreters["jax_first"]
+  assert code == 0, stderr[-4000:]
+  assert stdout.strip() == "[2.0, 2.0]"

@@ -2,36 +2,28 @@
 the 1-device recipe run; output and gradient shardings; constraints in the lowered HLO; errors.
 
 SPMD is process-global and irreversible, so the 4-device checks run once, in one subprocess
-(test/spmd_check.py, which prints its facts as JSON); each test asserts on its part.
+(test/spmd_check.py, which prints its facts as JSON; conftest.py starts it before the first test,
+so it runs alongside the rest of the suite); each test asserts on its part.
 """
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge import errors, spmd
-from torch_xla_jaxbridge.recipes import config, sharding, train
+from torch_xla_jaxbridge.recipes import sharding
 
-HERE = pathlib.Path(__file__).parent
 TOL = 1e-4
 FSDP_ROW, FSDP_COL = "{devices=[4,1]0,1,2,3}", "{devices=[1,4]0,1,2,3}"
 
 
 @pytest.fixture(scope="module")
-def facts(tmp_path_factory):
-  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=4").strip())
-  out = tmp_path_factory.mktemp("spmd")
-  run = subprocess.run([sys.executable, str(HERE / "spmd_check.py"), str(out)], env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stderr[-4000:]
-  return json.loads(run.stdout.strip().splitlines()[-1])
+def facts(spmd_run):
+  """The JSON facts of the 4-device process (conftest starts it at session start)."""
+  code, stdout, stderr = spmd_run.wait()
+  assert code == 0, stderr
+  return json.loads(stdout.strip().splitlines()[-1])
 
 
 def part(facts, name):
@@ -125,11 +117,9 @@ def test_bad_input_is_a_clear_error(facts, case, message):
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-  """The default recipe's first 3 losses on one device."""
-  return train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
-                                  f"out={tmp_path_factory.mktemp('one_device')}"]),
-                     log=lambda line: None)
+def one_device(recipe_run):
+  """The default recipe's first 3 losses on one device (the run test_recipes.py checks too)."""
+  return recipe_run()[0]
 
 
 def test_recipe_fsdp4_matches_the_one_device_run(facts, one_device):
@@ -141,10 +131,8 @@ def test_recipe_fsdp4_matches_the_one_device_run(facts, one_device):
   assert all(s != "{replicated}" for s in shardings.values())  # every llama-tiny dim divides by 4
 
 
-def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, tmp_path):
-  one_device = train.train(config.load(["train.steps=3", "train.checkpoint_every=0",
-                                        "remat.scan_layers=true", f"out={tmp_path}"]),
-                           log=lambda line: None)
+def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, recipe_run):
+  one_device, _ = recipe_run("remat.scan_layers=true")
   found = part(facts, "recipe_scan")
   assert found["losses"] == pytest.approx(one_device, rel=TOL)
   assert all(s != "{replicated}" for s in found["param_shardings"].values())

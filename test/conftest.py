@@ -1,9 +1,5 @@
 """Shared fixtures: the XLA device, a clean `call_jax` cache per test, recipe runs shared by the
 tests that read them, and the 4-device SPMD checks started in the background at session start.
-
-XLA's CPU backend compiles at optimization level 0 here (most of the suite's time is XLA
-compiling training steps; the tests check the bridge, not XLA's code generation). Set
-`XLA_FLAGS=--xla_backend_optimization_level=2` to run the suite against optimized code.
 """
 import os
 import pathlib
@@ -11,9 +7,6 @@ import subprocess
 import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 " +
-                             os.environ.get("XLA_FLAGS", "")).strip()
 
 import pytest  # noqa: E402
 import torch_xla_jaxbridge as jb  # noqa: E402

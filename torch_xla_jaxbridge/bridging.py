@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_xla_jaxbridge import (_compat, call, dtypes, errors, modules, plain, rng, runtime,
-                                 spmd, tracing)
+                                 spmd, stateful, tracing)
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
@@ -50,9 +50,10 @@ class Spec:
     (<tensors needing grad: g>, 1, 0)
   """
 
-  def __init__(self, treedef, leaves, keys):
+  def __init__(self, treedef, leaves, keys, objects=""):
     self.treedef = treedef
     self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
+    self.objects = objects  # the argument objects passed as their state, for re-trace reasons
     self._key = (treedef, keys)
 
   @classmethod
@@ -85,7 +86,7 @@ class Spec:
 
   def __repr__(self):  # read in re-trace reasons
     marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
-    return f"<tensors needing grad: {marks}>"
+    return f"<tensors needing grad: {marks}{self.objects}>"
 
   def merge(self, diff, other):
     """The arguments' pytree with `diff` and `other` put back at their positions."""
@@ -128,8 +129,11 @@ class Bridged:
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
     grad_on = torch.is_grad_enabled()
+    (args, kwargs), boxed = stateful.box((args, kwargs))  # argument objects holding tensors
     spec, diff, other = Spec.split((args, kwargs), lambda t: grad_on and t.requires_grad,
                                    self.name)
+    if boxed:
+      spec.objects = "".join(f"; {stateful.summary(obj, snap)}" for obj, snap in boxed)
     device = _device(diff, other)
     # code that never draws random numbers gets a constant key (drawing one costs host time, and
     # a first call with a fresh key would make a first-step program that differs from the rest)
@@ -140,8 +144,12 @@ class Bridged:
       floats, others, mutated, layout = self._invoke(spec, rng.key_data(None, device), diff, other)
     _write_back(self.name, (args, kwargs), layout.mutated, mutated, diff)
     floats, others = iter(floats), iter(others)
-    return layout.out_tree.unflatten(
+    outputs = layout.out_tree.unflatten(
         [next(floats) if is_float else next(others) for is_float in layout.float_mask])
+    if boxed:
+      outputs, after = outputs
+      stateful.write_back(boxed, after, device)
+    return outputs
 
   def _invoke(self, spec, key_data, diff, other):
     if diff:
@@ -158,7 +166,8 @@ class Bridged:
     leaves split into floating-point ones (differentiable) and the rest."""
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
-    outputs, mutated, drew_random = tracing.run_torch(self.fn, key_data, args, kwargs,
+    fn = stateful.functionalized(self.fn) if stateful.has_snapshots((args, kwargs)) else self.fn
+    outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
                                                       fn_name=self.name)
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)

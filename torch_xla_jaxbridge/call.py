@@ -176,6 +176,8 @@ def _retrace_reason(fn_name, previous, signature, paths):
   changes = []
   if old_tree != tree:
     changes.append(f"pytree structure {old_tree} -> {tree}")
+    if old_statics and statics and old_statics[0] != statics[0] and statics[0][1] is not _TENSOR:
+      changes.append(f"{paths[0]} static value {_show(old_statics[0])} -> {_show(statics[0])}")
   else:
     tensor_paths = [p for p, s in zip(paths, statics) if s[1] is _TENSOR]
     for path, (old_shape, old_dtype, _), (shape, dtype, _) in zip(tensor_paths, old_tensors,

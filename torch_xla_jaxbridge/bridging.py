@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch_xla_jaxbridge import (_compat, call, dtypes, errors, modules, plain, rng, runtime,
-                                 spmd, tracing)
+from torch_xla_jaxbridge import (_compat, call, captures, dtypes, errors, modules, plain, rng,
+                                 runtime, spmd, tracing)
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
@@ -127,6 +127,7 @@ class Bridged:
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
+    args = captures.with_captures(self.fn, self.name, args)  # closure/global/self tensors: inputs
     grad_on = torch.is_grad_enabled()
     spec, diff, other = Spec.split((args, kwargs), lambda t: grad_on and t.requires_grad,
                                    self.name)
@@ -158,8 +159,8 @@ class Bridged:
     leaves split into floating-point ones (differentiable) and the rest."""
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
-    outputs, mutated, drew_random = tracing.run_torch(self.fn, key_data, args, kwargs,
-                                                      fn_name=self.name)
+    outputs, mutated, drew_random = tracing.run_torch(captures.calling(self.fn, args), key_data,
+                                                      args, kwargs, fn_name=self.name)
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
     float_mask = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)) for x in out_leaves)

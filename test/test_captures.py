@@ -198,3 +198,16 @@ def test_tensor_reached_through_a_list_is_refused_with_its_shape_line_and_fix(de
                      r"used at .*test_captures.py:\d+: return x \* held\[0\].*Pass it in as an "
                      r"argument, or read it into a variable the function captures"):
     uses_list(torch.ones(5, device=dev))
+
+
+def test_assigning_a_captured_tensor_is_refused(dev):
+  total = torch.zeros(3, device=dev)
+
+  def accumulate(x):
+    nonlocal total
+    total = total + x  # would be lost: the trace cannot rebind the caller's variable
+    return x
+
+  with pytest.raises(jb.errors.MutationError, match=r"accumulate: .* assigned a new value to the "
+                     r"captured `total`.*`total.copy_\(new\)`"):
+    jb.bridge(accumulate)(torch.ones(3, device=dev))

@@ -87,6 +87,7 @@ def _register_pytree():
 
 _TOKENS = weakref.WeakKeyDictionary()  # module -> (identity token, StateWalk)
 _COUNTER = itertools.count()
+_FRESH = object()  # a place made for the trace (a new cell, a copied globals dict): no restore
 
 
 def _module_state(module):
@@ -211,33 +212,56 @@ def _call_with(fn, lifted, args, kwargs):
   tensors = iter(lifted.tensors)
   cells = list(function.__closure__ or ()) if function is not None else []
   scope = None
-  undo = []  # (dict, key, old value), restored in reverse order
+  placed = []  # (name, table, key, old value, traced value): put back in reverse order
   try:
-    for where, _, kind, params, buffers, _ in lifted.layout:
+    for where, name, kind, params, buffers, _ in lifted.layout:
       if kind == "tensor":
         value = next(tensors)
         if where[0] == CELL:
           cells[where[1]] = types.CellType(value)
+          placed.append((name, cells[where[1]], "cell_contents", _FRESH, value))
         elif where[0] == GLOBAL:
           scope = dict(function.__globals__) if scope is None else scope
           scope[where[1]] = value
+          placed.append((name, scope, where[1], _FRESH, value))
         else:
-          _swap(undo, vars(owner), where[1], value)
+          _swap(placed, name, vars(owner), where[1], value)
         continue
       module = _read(function, owner, where)
       for names, slot in ((params, "_parameters"), (buffers, "_buffers")):
         for full in names:
           prefix, _, leaf = full.rpartition(".")
-          _swap(undo, getattr(module.get_submodule(prefix), slot), leaf, next(tensors))
+          _swap(placed, f"{name}.{full}", getattr(module.get_submodule(prefix), slot), leaf,
+                next(tensors))
     if function is not None and (scope is not None or cells):
       rebuilt = types.FunctionType(function.__code__, scope or function.__globals__,
                                    function.__name__, function.__defaults__, tuple(cells))
       rebuilt.__kwdefaults__ = function.__kwdefaults__
-      return rebuilt(*args, **kwargs) if owner is None else rebuilt(owner, *args, **kwargs)
-    return fn(*args, **kwargs)
+      outputs = rebuilt(*args, **kwargs) if owner is None else rebuilt(owner, *args, **kwargs)
+    else:
+      outputs = fn(*args, **kwargs)
+    _check_not_reassigned(fn, placed)
+    if scope is not None:  # other globals the code assigned, as it would have without lifting
+      lifted_names = {w[1] for w, *_ in lifted.layout if w[0] == GLOBAL}
+      for key, value in scope.items():
+        if key not in lifted_names and function.__globals__.get(key, scope) is not value:
+          function.__globals__[key] = value
+    return outputs
   finally:
-    for table, key, old in reversed(undo):
-      table[key] = old
+    for _, table, key, old, _ in reversed(placed):
+      if old is not _FRESH:
+        table[key] = old
+
+
+def _check_not_reassigned(fn, placed):
+  for name, table, key, _, value in placed:
+    now = getattr(table, key) if key == "cell_contents" else table.get(key)
+    if now is not value:
+      fn_name = getattr(fn, "__name__", type(fn).__name__)
+      raise errors.MutationError(
+          f"{fn_name}: the bridged code assigned a new value to the captured `{name}`; an "
+          f"assignment inside a trace cannot reach the captured tensor. Update it in place "
+          f"(`{name}.copy_(new)`) or return the new value and assign it after the call.")
 
 
 def _read(function, owner, where):
@@ -250,6 +274,6 @@ def _read(function, owner, where):
   return owner
 
 
-def _swap(undo, table, key, value):
-  undo.append((table, key, table[key]))
+def _swap(placed, name, table, key, value):
+  placed.append((name, table, key, table[key], value))
   table[key] = value

@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch_xla_jaxbridge import (_compat, call, dtypes, errors, modules, plain, rng, runtime,
-                                 spmd, stateful, tracing)
+from torch_xla_jaxbridge import (_compat, call, captures, dtypes, errors, modules, plain, rng,
+                                 runtime, spmd, stateful, tracing)
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
@@ -128,6 +128,7 @@ class Bridged:
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
+    args = captures.with_captures(self.fn, self.name, args)  # closure/global/self tensors: inputs
     grad_on = torch.is_grad_enabled()
     (args, kwargs), boxed = stateful.box((args, kwargs))  # argument objects holding tensors
     spec, diff, other = Spec.split((args, kwargs), lambda t: grad_on and t.requires_grad,
@@ -166,7 +167,9 @@ class Bridged:
     leaves split into floating-point ones (differentiable) and the rest."""
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
-    fn = stateful.functionalized(self.fn) if stateful.has_snapshots((args, kwargs)) else self.fn
+    fn = captures.calling(self.fn, args)  # captured tensors put back where `fn` reads them
+    if stateful.has_snapshots((args, kwargs)):
+      fn = stateful.functionalized(fn)
     outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
                                                       fn_name=self.name)
     self.draws_random = bool(self.draws_random) or drew_random

@@ -84,10 +84,15 @@ def translate(exc: Exception, fn_name: str) -> errors.BridgeError:
         f"Write it with tensors, for example:\n{_rewrite_hint(where.split(': ', 1)[-1])}\n"
         f"See docs/control_flow.md (torch.cond, torch.while_loop, jb.fori_loop).")
   if isinstance(exc, PlainTensorUsed):
+    shape = exc.args[0] if exc.args else "?"
     return errors.CapturedTensorError(
-        f"{fn_name}: a torch tensor that is not an argument of the bridged function was used at "
-        f"{where}. Tensors read from an enclosing scope, a global or an attribute are not part "
-        f"of the traced program: pass them in as arguments (or register them as parameters or "
-        f"buffers of the module).")
+        f"{fn_name}: a torch tensor of shape {shape} that is not an input of the bridged function "
+        f"was used at {where}. Tensors the function reads directly from its enclosing scope, a "
+        f"global of its module or an attribute of `self` (and the parameters and buffers of "
+        f"modules held there) become inputs; this one was reached another way (through a list or "
+        f"dict, another object's attribute, a helper function's own closure or globals, or a "
+        f"module passed as an argument). Pass it in as an argument, or read it into a variable "
+        f"the function captures (`w = holder.w` in the enclosing scope), or register it as a "
+        f"parameter or buffer of the module.")
   return errors.JaxTracingError(f"{fn_name} failed while being traced, at {where}: "
                                 f"{kind}: {exc}")

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import torch
 
-from torch_xla_jaxbridge import _compat, bridging, call, diagnostics, dtypes, modules, runtime
+from torch_xla_jaxbridge import (_compat, bridging, call, captures, diagnostics, dtypes, modules,
+                                 runtime)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +172,11 @@ def abstract_call(fn, args, kwargs, remat):
     target = bridging.Bridged(own, remat=remat, name=bridged.name if bridged else None)
     if remat is None and bridged is not None:
       target.policy, target.offloads = bridged.policy, bridged.offloads
-    call_args = (args, kwargs)
+    call_args = (captures.with_captures(own, target.name, args, xla=False), kwargs)
   bridging.register_static_pytree()
   spec, diff, other = bridging.Spec.split(call_args, lambda t: t.requires_grad, target.name)
-  names = [_path_name(path, is_module)
+  lifted = not is_module and bool(call_args[0]) and isinstance(call_args[0][0], captures.Lifted)
+  names = [_path_name(path, is_module, lifted)
            for path, _ in jax.tree_util.tree_flatten_with_path(call_args)[0]]
   paths = [n for n, m in zip(names, spec.leaves) if m is bridging.DIFF]
   paths += [n for n, m in zip(names, spec.leaves) if m is bridging.OTHER]
@@ -183,7 +185,7 @@ def abstract_call(fn, args, kwargs, remat):
   return target, spec, [aval(t) for t in diff], [aval(t) for t in other], key, paths
 
 
-def _path_name(path, is_module):
+def _path_name(path, is_module, lifted):
   jax = runtime.jax_module()
   if is_module:  # ((params, buffers, training, args, kwargs), {})
     group = ("param", "buffer", "training", "args", "kwargs")[path[1].idx]
@@ -191,6 +193,10 @@ def _path_name(path, is_module):
     if group in ("param", "buffer"):
       return f"{group} {rest[0].key}"
     return group + jax.tree_util.keystr(rest)
+  if lifted and path[0].idx == 0:  # (((captured, *args), kwargs): captured first, args shifted
+    if path[1].idx == 0:
+      return f"captured {path[2].name}"
+    return f"args[{path[1].idx - 1}]" + jax.tree_util.keystr(path[2:])
   return call.path_name(path)
 
 

@@ -195,8 +195,9 @@ def _unwrap(jax, outputs, fn_name):
     if isinstance(x, torch.Tensor):
       raise errors.CapturedTensorError(
           f"{fn_name} returned a torch tensor that is not computed from its arguments (shape "
-          f"{tuple(x.shape)}, device {x.device}). Tensors the function reads from an enclosing "
-          f"scope, a global or an attribute must be passed in as arguments.")
+          f"{tuple(x.shape)}, device {x.device}), reached where the bridge does not lift "
+          f"tensors from (a list, another object's attribute, a helper's closure). Pass it in as "
+          f"an argument, or read it from a variable of the enclosing scope, a global or `self`.")
     return x
 
   return jax.tree.map(unwrap, outputs, is_leaf=lambda x: isinstance(x, torch.Tensor))

@@ -1,0 +1,213 @@
+"""Captured tensors lifted: closures, globals and `self` attributes are inputs of the trace, read
+fresh on every call, differentiated when they require grad, against eager CPU PyTorch."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+
+import models
+import torch_xla_jaxbridge as jb
+from parity import rel_err
+
+SCALE = None  # a global tensor read by `_scaled` (set by the tests)
+
+
+def _scaled(x):
+  return x * SCALE + sum(SCALE for _ in range(2))  # the generator's code reads SCALE too
+
+
+def _misses():
+  return jb.cache_info().misses
+
+
+@pytest.mark.parametrize("make", [models.MLP, models.ConvNet], ids=["mlp", "convnet_bn"])
+def test_closure_over_module_matches_eager(dev, make):
+  torch.manual_seed(0)
+  ref = make()
+  model = copy.deepcopy(ref).to(dev)
+  shape = (6, 8) if make is models.MLP else (4, 3, 6, 6)
+  x = torch.randn(shape)
+
+  @jb.bridge
+  def loss_fn(inp):
+    return (model(inp) ** 2).mean()
+
+  loss = loss_fn(x.to(dev))
+  loss.backward()
+  ref_loss = (ref(x) ** 2).mean()
+  ref_loss.backward()
+  torch_xla.sync()
+  assert rel_err(loss, ref_loss) < 1e-4
+  grads = dict(model.named_parameters())
+  for name, p in ref.named_parameters():
+    assert grads[name].grad is not None, name
+    assert rel_err(grads[name].grad, p.grad) < 1e-4, name
+  for name, buf in ref.named_buffers():  # BatchNorm's running statistics written back
+    torch.testing.assert_close(dict(model.named_buffers())[name].cpu(), buf, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_closure_called_five_times_traces_once(dev):
+  model = models.MLP().to(dev)
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+  loss_fn = jb.bridge(lambda x: model(x).pow(2).mean(), name="loss_fn")
+  x = torch.randn(6, 8, device=dev)
+  losses = []
+  for _ in range(5):
+    loss = loss_fn(x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    torch_xla.sync()
+    losses.append(loss.item())
+  info = jb.cache_info()
+  assert info.misses == 2  # one forward and one backward trace
+  assert info.hits == 8
+  assert losses[-1] < losses[0]  # each step read the updated parameters
+
+
+def test_global_tensor_replaced_is_read_fresh(dev):
+  global SCALE
+  bridged = jb.bridge(_scaled)
+  x = torch.ones(3, device=dev)
+  SCALE = torch.tensor([1.0, 2.0, 3.0], device=dev)
+  assert bridged(x).cpu().tolist() == [3.0, 6.0, 9.0]
+  misses = _misses()
+  SCALE = torch.tensor([10.0, 20.0, 30.0], device=dev)
+  assert bridged(x).cpu().tolist() == [30.0, 60.0, 90.0]
+  assert _misses() == misses
+  SCALE = torch.ones(4, device=dev)  # a new shape: a new trace, with its reason
+  assert bridged(torch.ones(4, device=dev)).cpu().tolist() == [3.0] * 4
+  assert "shape (3,) -> (4,)" in jb.cache_info().retrace_reasons[-1]
+
+
+def test_captured_tensor_updated_in_place_is_read_fresh(dev):
+  bias = torch.zeros(3, device=dev)
+  shift = jb.bridge(lambda x: x + bias, name="shift")
+  x = torch.ones(3, device=dev)
+  assert shift(x).cpu().tolist() == [1.0, 1.0, 1.0]
+  misses = _misses()
+  bias.add_(2.0)
+  assert shift(x).cpu().tolist() == [3.0, 3.0, 3.0]
+  bias.copy_(torch.tensor([1.0, 2.0, 3.0]))
+  assert shift(x).cpu().tolist() == [2.0, 3.0, 4.0]
+  assert _misses() == misses
+
+
+def test_captured_tensor_gradient_and_in_place_update(dev):
+  w_cpu = torch.randn(4, 3, requires_grad=True)
+  w = w_cpu.detach().to(dev).requires_grad_()
+  steps = torch.zeros((), device=dev)
+
+  @jb.bridge
+  def f(x):
+    steps.add_(1)  # an update of a captured tensor is written back, as for an argument
+    return torch.tanh(x @ w).sum()
+
+  x = torch.randn(2, 4)
+  f(x.to(dev)).backward()
+  f(x.to(dev))
+  torch.tanh(x @ w_cpu).sum().backward()
+  torch_xla.sync()
+  assert rel_err(w.grad, w_cpu.grad) < 1e-5
+  assert steps.item() == 2.0
+
+
+def test_self_attributes_of_methods_modules_and_callables(dev):
+  class Scaler:
+    def __init__(self):
+      self.scale = torch.full((3,), 2.0, device=dev, requires_grad=True)
+
+    def __call__(self, x):
+      return (x * self.scale).sum()
+
+  scaler = Scaler()
+  jb.bridge(scaler)(torch.ones(3, device=dev)).backward()
+  assert scaler.scale.grad.cpu().tolist() == [1.0, 1.0, 1.0]
+
+  torch.manual_seed(0)
+  ref = models.MLP()
+  model = copy.deepcopy(ref).to(dev)
+  x = torch.randn(2, 8)
+  for bridged in (jb.bridge(model), jb.bridge(model.forward)):
+    model.zero_grad()
+    bridged(x.to(dev)).sum().backward()
+    torch_xla_sync_and_compare(model, ref, x)
+
+
+def torch_xla_sync_and_compare(model, ref, x):
+  ref.zero_grad()
+  ref(x).sum().backward()
+  torch_xla.sync()
+  grads = dict(model.named_parameters())
+  for name, p in ref.named_parameters():
+    assert rel_err(grads[name].grad, p.grad) < 1e-4, name
+
+
+def test_training_mode_and_module_identity_key_the_trace(dev):
+  torch.manual_seed(0)
+  ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+  model = copy.deepcopy(ref).to(dev)
+  run = jb.bridge(lambda x: model(x), name="run")
+  x = torch.randn(2, 4)
+  run(x.to(dev))
+  model.eval()
+  torch.testing.assert_close(run(x.to(dev)).cpu(), ref.eval()(x), rtol=1e-5, atol=1e-6)
+  assert _misses() == 2  # train and eval: two traces
+  model = copy.deepcopy(ref).to(dev)  # another module in the same cell: its own trace
+  with torch.no_grad():
+    model[0].bias.fill_(5.0)
+  torch.testing.assert_close(run(x.to(dev)).cpu(), model.cpu()(x), rtol=1e-5, atol=1e-6)
+  assert _misses() == 3
+
+
+def test_saved_residuals_of_a_closure(dev):
+  w = torch.randn(8, 8, requires_grad=True)
+  model = torch.nn.Linear(8, 8)
+
+  def block(x):
+    return torch.tanh(model(x) @ w)
+
+  report = jb.saved_residuals(block, torch.ones(2, 8))
+  names = report.names()
+  assert "argument captured w" in names  # for the gradient with respect to model(x)
+  explicit = jb.saved_residuals(lambda x, w_, m_w, m_b: torch.tanh(F.linear(x, m_w, m_b) @ w_),
+                                torch.ones(2, 8), w, model.weight, model.bias)
+  assert "argument args[0]" in names  # x, for the gradient of model.weight
+  assert [(r.shape, r.bytes) for r in report.rows] == [(r.shape, r.bytes) for r in explicit.rows]
+
+
+def test_captured_cpu_tensor_is_named(dev):
+  table = torch.ones(3)
+  with pytest.raises(jb.errors.BadArgumentError,
+                     match=r"lookup reads `table` \(a cpu tensor of shape \(3,\)\).*\.to\('xla'\)"):
+    jb.bridge(lambda x: x * table, name="lookup")(torch.ones(3, device=dev))
+
+
+def test_tensor_reached_through_a_list_is_refused_with_its_shape_line_and_fix(dev):
+  held = [torch.ones(5, device=dev)]
+
+  @jb.bridge
+  def uses_list(x):
+    return x * held[0]
+
+  with pytest.raises(jb.errors.CapturedTensorError,
+                     match=r"uses_list: a torch tensor of shape \(5,\) that is not an input .* "
+                     r"used at .*test_captures.py:\d+: return x \* held\[0\].*Pass it in as an "
+                     r"argument, or read it into a variable the function captures"):
+    uses_list(torch.ones(5, device=dev))
+
+
+def test_assigning_a_captured_tensor_is_refused(dev):
+  total = torch.zeros(3, device=dev)
+
+  def accumulate(x):
+    nonlocal total
+    total = total + x  # would be lost: the trace cannot rebind the caller's variable
+    return x
+
+  with pytest.raises(jb.errors.MutationError, match=r"accumulate: .* assigned a new value to the "
+                     r"captured `total`.*`total.copy_\(new\)`"):
+    jb.bridge(accumulate)(torch.ones(3, device=dev))

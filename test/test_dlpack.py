@@ -238,6 +238,15 @@ def test_in_place_change_of_a_shared_cpu_side_is_refused_in_backward(dev):
     xla.sum().backward()
 
 
+def test_in_place_change_allowed_when_asked_for(dev):
+  x, w = torch.randn(2, 4), torch.randn(4, 3)
+  wx = w.to(dev).requires_grad_()
+  cpu = jb.dlpack.to_cpu(x.to(dev) @ wx, check_in_place=False)  # matmul saves x and w, not h
+  cpu.mul_(2)
+  cpu.sum().backward()
+  torch.testing.assert_close(wx.grad.cpu(), x.t() @ torch.full((2, 3), 2.0))
+
+
 def test_in_place_change_of_the_xla_side_leaves_the_cpu_side(dev):
   leaf = torch.ones(4, requires_grad=True)
   cpu = leaf * 1

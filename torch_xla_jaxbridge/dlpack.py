@@ -73,10 +73,13 @@ def cpu_to_xla(tensor: torch.Tensor) -> torch.Tensor:
   return _cpu_share(tensor)
 
 
-def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+def to_cpu(tensor: torch.Tensor, *, check_in_place: bool = True) -> torch.Tensor:
   """`xla_to_cpu` inside autograd: the CPU tensor sharing an XLA tensor's buffer, whose gradient
   moves back to the XLA side through DLPack as well (sharing memory; copied first, silently, only
   when the gradient is not contiguous or not 64-byte aligned).
+
+  An in-place change to the result before backward raises `MutationError` there (it changes the
+  XLA tensor too); `check_in_place=False` allows it, for an XLA tensor nothing else reads.
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
@@ -89,7 +92,7 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     [0.0, 2.0, 4.0]
   """
   _check_xla(tensor, "to_cpu", "to_xla")
-  return _Move.apply(tensor, _xla_share, _cpu_share)
+  return _Move.apply(tensor, _xla_share, _cpu_share, check_in_place)
 
 
 def to_xla(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,7 @@ def to_xla(tensor: torch.Tensor) -> torch.Tensor:
   """
   _check_cpu(tensor, "to_xla")
   _warn_if_copied(tensor, "to_xla")
-  return _Move.apply(tensor, _cpu_share, _xla_share)
+  return _Move.apply(tensor, _cpu_share, _xla_share, True)
 
 
 class _Move(torch.autograd.Function):
@@ -121,10 +124,11 @@ class _Move(torch.autograd.Function):
   """
 
   @staticmethod
-  def forward(ctx, tensor, there, back):
+  def forward(ctx, tensor, there, back, check):
     ctx.there, ctx.back = there, back
     moved = there(tensor)
-    ctx.save_for_backward(tensor if tensor.device.type == "cpu" else moved)
+    if check:
+      ctx.save_for_backward(tensor if tensor.device.type == "cpu" else moved)
     return moved
 
   @staticmethod
@@ -139,7 +143,7 @@ class _Move(torch.autograd.Function):
           "shares memory with the XLA tensor, so values saved for backward on the XLA side "
           "changed too and the gradients would be wrong. Change a copy instead: "
           "to_cpu(x).clone(), or to_xla(t.clone()).") from e
-    return _Move.apply(grad, ctx.back, ctx.there), None, None
+    return _Move.apply(grad, ctx.back, ctx.there, True), None, None, None
 
 
 def _xla_share(tensor):

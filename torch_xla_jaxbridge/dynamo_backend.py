@@ -36,8 +36,11 @@ def jaxbridge_backend(graph_module, example_inputs):
     outputs = bridged(*args)
     if on_xla:
       return outputs
-    return jax.tree.map(lambda t: dlpack.to_cpu(t) if isinstance(t, torch.Tensor) else t, outputs,
-                        is_leaf=lambda t: isinstance(t, torch.Tensor))
+    # the bridged call saves its inputs and residuals, never its outputs: an in-place change to
+    # a result is as safe as in eager torch
+    return jax.tree.map(
+        lambda t: dlpack.to_cpu(t, check_in_place=False) if isinstance(t, torch.Tensor) else t,
+        outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
 
   return run
 

@@ -100,3 +100,12 @@ def test_graph_break_falls_back_to_eager_between_bridged_graphs():
   assert len(graphs) == 2
   torch.testing.assert_close(out, fn(x.detach()))
   torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_in_place_change_of_a_cpu_result_before_backward_works_as_in_eager():
+  torch._dynamo.reset()
+  x = torch.randn(3, requires_grad=True)
+  y = torch.compile(lambda t: torch.sin(t) * 2, backend="jaxbridge")(x)
+  y.add_(1)
+  y.sum().backward()
+  torch.testing.assert_close(x.grad, 2 * torch.cos(x.detach()))

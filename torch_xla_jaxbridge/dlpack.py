@@ -3,8 +3,9 @@
 On the CPU PJRT device all three share one host buffer. Each function makes the unsafe cases
 safe: a tensor with pending LazyTensor work is computed first (a DLPack export of it would abort
 the process), a non-contiguous CPU tensor or one whose data is not 64-byte aligned is copied
-(with a warning, since the result then does not share memory), and a tensor that requires grad
-is detached (the result is outside autograd).
+(with a warning, since the result then does not share memory). The four conversions detach (their
+results are outside autograd); `to_cpu` and `to_xla` are the same moves inside autograd: the
+gradient moves back through DLPack too.
 """
 import functools
 import warnings
@@ -67,19 +68,127 @@ def cpu_to_xla(tensor: torch.Tensor) -> torch.Tensor:
     >>> jb.dlpack.cpu_to_xla(torch.ones(2)).device.type
     'xla'
   """
+  _check_cpu(tensor, "cpu_to_xla")
+  _warn_if_copied(tensor, "cpu_to_xla")
+  return _cpu_share(tensor)
+
+
+def to_cpu(tensor: torch.Tensor, *, check_in_place: bool = True) -> torch.Tensor:
+  """`xla_to_cpu` inside autograd: the CPU tensor sharing an XLA tensor's buffer, whose gradient
+  moves back to the XLA side through DLPack as well (sharing memory; copied first, silently, only
+  when the gradient is not contiguous or not 64-byte aligned).
+
+  An in-place change to the result before backward raises `MutationError` there (it changes the
+  XLA tensor too); `check_in_place=False` allows it, for an XLA tensor nothing else reads.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> w = torch.ones(3, device="xla", requires_grad=True)
+    >>> c = jb.dlpack.to_cpu(w * 2)
+    >>> c.device.type, c.requires_grad
+    ('cpu', True)
+    >>> (c * torch.arange(3.0)).sum().backward()
+    >>> w.grad.cpu().tolist()
+    [0.0, 2.0, 4.0]
+  """
+  _check_xla(tensor, "to_cpu", "to_xla")
+  return _Move.apply(tensor, _xla_share, _cpu_share, check_in_place)
+
+
+def to_xla(tensor: torch.Tensor) -> torch.Tensor:
+  """`cpu_to_xla` inside autograd: the XLA tensor sharing a CPU tensor's memory (copied, with a
+  warning, when it cannot), whose gradient moves back to the CPU side through DLPack as well.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> x = jb.dlpack.to_xla(w * 2)
+    >>> x.device.type, x.requires_grad
+    ('xla', True)
+    >>> (x * torch.arange(3.0, device="xla")).sum().backward()
+    >>> w.grad.tolist()
+    [0.0, 2.0, 4.0]
+  """
+  _check_cpu(tensor, "to_xla")
+  _warn_if_copied(tensor, "to_xla")
+  return _Move.apply(tensor, _cpu_share, _xla_share, True)
+
+
+class _Move(torch.autograd.Function):
+  """A tensor moved through DLPack (`there`: same memory, other device); its gradient moves back
+  the other way (`back`), itself as a `_Move`, so a second derivative moves too.
+
+  The CPU side is saved so that autograd's version check sees an in-place change to it before
+  backward: the XLA side shares that memory (values it saved for backward would change unseen).
+  In-place ops on the XLA side write new buffers, so they cannot change the CPU side.
+  """
+
+  @staticmethod
+  def forward(ctx, tensor, there, back, check):
+    ctx.there, ctx.back = there, back
+    moved = there(tensor)
+    if check:
+      ctx.save_for_backward(tensor if tensor.device.type == "cpu" else moved)
+    return moved
+
+  @staticmethod
+  def backward(ctx, grad):
+    try:
+      ctx.saved_tensors  # raises if the CPU side was changed in place
+    except RuntimeError as e:
+      if "inplace operation" not in str(e):
+        raise
+      raise errors.MutationError(
+          "to_cpu/to_xla: the CPU tensor of a move was changed in place before backward; it "
+          "shares memory with the XLA tensor, so values saved for backward on the XLA side "
+          "changed too and the gradients would be wrong. Change a copy instead: "
+          "to_cpu(x).clone(), or to_xla(t.clone()).") from e
+    return _Move.apply(grad, ctx.back, ctx.there, True), None, None, None
+
+
+def _xla_share(tensor):
+  """The CPU tensor on an XLA tensor's buffer (pending work run first)."""
+  moved = torch.utils.dlpack.from_dlpack(_exported(tensor, "to_cpu"))
+  if moved.device.type != "cpu":  # a GPU PJRT device: DLPack gives a CUDA tensor (docs/dlpack.md)
+    raise errors.BadArgumentError(
+        f"to_cpu/to_xla: the XLA tensor lives on a {moved.device.type} device, where DLPack gives "
+        f"a {moved.device.type} tensor and torch_xla imports only CPU tensors through DLPack, so "
+        f"the move could not be undone in backward; use xla_to_cpu (no gradient) or .cpu() (a "
+        f"copy).")
+  return moved
+
+
+def _cpu_share(tensor):
+  """The XLA tensor on a CPU tensor's memory; a silent copy when that memory cannot be shared
+  (callers that the user called warn first; gradients are laid out by autograd, not the user)."""
   from torch_xla.utils import dlpack as xla_dlpack
 
-  if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-    raise errors.BadArgumentError(
-        f"cpu_to_xla: expected a CPU tensor, got "
-        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}.")
   tensor = tensor.detach()
-  reason = unshareable(tensor)
-  if reason is not None:
-    warnings.warn(f"cpu_to_xla: {reason}; it was copied, so the XLA tensor does not share its "
-                  f"memory.", stacklevel=2)
+  if unshareable(tensor) is not None:
     tensor = tensor.clone(memory_format=torch.contiguous_format)
   return xla_dlpack.from_dlpack(tensor)
+
+
+def _warn_if_copied(tensor, name):
+  reason = unshareable(tensor)
+  if reason is not None:
+    warnings.warn(f"{name}: {reason}; it was copied, so the XLA tensor does not share its "
+                  f"memory.", stacklevel=3)
+
+
+def _check_cpu(tensor, name):
+  if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+    raise errors.BadArgumentError(
+        f"{name}: expected a CPU tensor, got "
+        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}.")
+
+
+def _check_xla(tensor, name, cpu_name):
+  if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:
+    raise errors.BadArgumentError(
+        f"{name}: expected an XLA tensor, got "
+        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
+        f"use {cpu_name} for CPU tensors.")
 
 
 def unshareable(tensor):
@@ -114,11 +223,7 @@ def _exported(tensor, name):
   """A DLPack capsule of an XLA tensor, after running any pending work that produces it."""
   from torch_xla.utils import dlpack as xla_dlpack
 
-  if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:
-    raise errors.BadArgumentError(
-        f"{name}: expected an XLA tensor, got "
-        f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
-        f"use cpu_to_xla for CPU tensors.")
+  _check_xla(tensor, name, "cpu_to_xla")
   tensor = tensor.detach()
   _compat.xlac()._xla_sync_multi([tensor], [], True)  # cheap when nothing is pending
   return xla_dlpack.to_dlpack(tensor)

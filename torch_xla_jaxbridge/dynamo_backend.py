@@ -4,7 +4,8 @@ Dynamo hands the backend a graph of torch ops; the graph is bridged (`BridgeModu
 traces it into a JAX function once per input signature, and each call adds the forward half of its
 `jax.vjp` to the LazyTensor graph as one node (the backward half runs in torch's backward). CPU
 inputs move to the XLA device through DLPack without copying, and results move back the same way
-when no input was an XLA tensor.
+when no input was an XLA tensor (`dlpack.to_xla` / `to_cpu`: gradients move back through DLPack
+too).
 """
 import torch
 
@@ -31,34 +32,21 @@ def jaxbridge_backend(graph_module, example_inputs):
   def run(*args):
     jax = runtime.jax_module()
     on_xla = any(isinstance(a, torch.Tensor) and a.is_xla for a in args)
-    args = [_Move.apply(a, dlpack.cpu_to_xla, dlpack.xla_to_cpu) if _is_cpu_tensor(a) else a
-            for a in args]
+    args = [dlpack.to_xla(a) if _is_cpu_tensor(a) else a for a in args]
     outputs = bridged(*args)
     if on_xla:
       return outputs
+    # the bridged call saves its inputs and residuals, never its outputs: an in-place change to
+    # a result is as safe as in eager torch
     return jax.tree.map(
-        lambda t: _Move.apply(t, dlpack.xla_to_cpu, dlpack.cpu_to_xla)
-        if isinstance(t, torch.Tensor) else t, outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
+        lambda t: dlpack.to_cpu(t, check_in_place=False) if isinstance(t, torch.Tensor) else t,
+        outputs, is_leaf=lambda t: isinstance(t, torch.Tensor))
 
   return run
 
 
 def _is_cpu_tensor(value):
   return isinstance(value, torch.Tensor) and value.device.type == "cpu"
-
-
-class _Move(torch.autograd.Function):
-  """A tensor moved through DLPack (`there`: same memory, other device); its gradient moves
-  back the same way (`back`)."""
-
-  @staticmethod
-  def forward(ctx, tensor, there, back):
-    ctx.back = back
-    return there(tensor)
-
-  @staticmethod
-  def backward(ctx, grad):
-    return ctx.back(grad.contiguous()), None, None
 
 
 def register():

@@ -26,7 +26,8 @@ class LeakedTensorError(BridgeError):
 
 
 class MutationError(BridgeError):
-  """Bridged torch code mutated an argument in a way that cannot be written back."""
+  """Bridged torch code mutated an argument in a way that cannot be written back, or a tensor
+  shared by a `dlpack.to_cpu` / `to_xla` move was changed in place before backward."""
 
 
 class ControlFlowError(BridgeError):

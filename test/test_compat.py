@@ -70,6 +70,16 @@ def test_while_loop_gradient_error_is_recognised():
   assert _compat.is_while_loop_gradient_error(info.value)
 
 
+def test_saved_tensor_modified_error_is_recognised():
+  x = torch.ones(2, requires_grad=True)
+  y = x * 1
+  z = y.sin()  # saves y
+  y.add_(1)
+  with pytest.raises(RuntimeError) as info:
+    z.sum().backward()
+  assert _compat.is_saved_tensor_modified_error(info.value)
+
+
 def test_dlpack_cpu_import_shares_memory():
   import numpy as np
 

@@ -172,6 +172,18 @@ def is_while_loop_gradient_error(exc):
   return "Reverse-mode differentiation does not work for lax.while_loop" in str(exc)
 
 
+def is_saved_tensor_modified_error(exc):
+  """Whether `exc` is autograd's report that a tensor saved for backward was changed in place (a
+  RuntimeError identified by its message; torch has no class for it). If torch rewords it, its
+  own RuntimeError reaches the user instead of the package's MutationError: still an error.
+
+  Example:
+    >>> is_saved_tensor_modified_error(RuntimeError("x"))
+    False
+  """
+  return "inplace operation" in str(exc)
+
+
 def dlpack_cpu_import():
   """JAX's own DLPack import onto its CPU device, or None where this JAX lacks it. The public
   `jax.dlpack.from_dlpack` wraps it in conversions that cost an order of magnitude more host time
@@ -227,7 +239,7 @@ def environment_class(on_plain_tensor):
     def t2j_iso(self, torchtensors):
       import torch
 
-      for leaf in torch.utils._pytree.tree_leaves(torchtensors):
+      for leaf in torch_tree().tree_leaves(torchtensors):
         if isinstance(leaf, torch.Tensor) and not isinstance(
             leaf, (torchax.tensor.Tensor, torchax.tensor.View)):
           on_plain_tensor(leaf)
@@ -274,6 +286,20 @@ def register_higher_order_rule(operator, rule):
 
 
 # --- torch ---------------------------------------------------------------------------------------
+
+def torch_tree():
+  """torch's pytree module (`torch.utils._pytree`): the structures torch code returns that JAX's
+  pytrees do not know (Hugging Face `ModelOutput`s register there). Public alternative: none yet
+  (`torch.utils.pytree` is a thin re-export in newer torch).
+
+  Example:
+    >>> torch_tree().tree_flatten({"a": 1})[0]
+    [1]
+  """
+  import torch.utils._pytree
+
+  return torch.utils._pytree
+
 
 CHECKPOINT_HOOK = "__dynamo_disable"
 

@@ -25,6 +25,7 @@ class Layout:
   out_tree: object
   float_mask: tuple
   mutated: tuple  # positions (among all argument leaves) updated in place
+  packed: bool  # outputs in a structure only torch's pytrees know (stateful.pack_outputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Bridged:
     if boxed:
       outputs, after = outputs
       stateful.write_back(boxed, after, device)
-    return outputs
+    return stateful.unpack_outputs(outputs, device) if layout.packed else outputs
 
   def _invoke(self, spec, key_data, diff, other):
     if diff:
@@ -168,6 +169,7 @@ class Bridged:
     jax = runtime.jax_module()
     args, kwargs = spec.merge(diff, other)
     fn = captures.calling(self.fn, args)  # captured tensors put back where `fn` reads them
+    fn = stateful.packing(fn)  # outputs only torch's pytrees know (a Hugging Face ModelOutput)
     if stateful.has_snapshots((args, kwargs)):
       fn = stateful.functionalized(fn)
     outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
@@ -178,7 +180,7 @@ class Bridged:
     floats = [x for x, f in zip(out_leaves, float_mask) if f]
     others = [x for x, f in zip(out_leaves, float_mask) if not f]
     positions = tuple(sorted(mutated))
-    layout = Layout(out_tree, float_mask, positions)
+    layout = Layout(out_tree, float_mask, positions, stateful.has_packed(outputs))
     return floats, (others, [mutated[i] for i in positions], layout)
 
   def _plain_half(self, spec, other, key_data):

@@ -136,7 +136,7 @@ class _Move(torch.autograd.Function):
     try:
       ctx.saved_tensors  # raises if the CPU side was changed in place
     except RuntimeError as e:
-      if "inplace operation" not in str(e):
+      if not _compat.is_saved_tensor_modified_error(e):
         raise
       raise errors.MutationError(
           "to_cpu/to_xla: the CPU tensor of a move was changed in place before backward; it "

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from torch_xla_jaxbridge import errors, plain, runtime
+from torch_xla_jaxbridge import _compat, errors, plain, runtime
 
 _NOT_STATE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.ModuleType, torch.nn.Module)
@@ -146,7 +146,8 @@ def materialize(snapshot):
 
 
 def _stateful(leaf):
-  return not (isinstance(leaf, torch.Tensor) or type(leaf) in _FAST_PLAIN or callable(leaf)
+  return not (isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
+              or callable(leaf)
               or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
               or plain.is_plain(leaf))
 
@@ -261,8 +262,92 @@ def write_back(boxed, after, device):
     _fill(obj, snap.state, before.tensors, iter(snap.tensors), device)
 
 
+class Packed:
+  """Outputs in a structure only torch's pytrees know (a Hugging Face `ModelOutput`), as a JAX
+  pytree: `leaves` are the children, objects among them (a cache) as `Snapshot`s."""
+
+  def __init__(self, spec, leaves):
+    self.spec, self.leaves = spec, list(leaves)
+
+
+def pack_outputs(outputs):
+  """`outputs` as JAX can flatten them: unchanged when JAX's pytrees see only tensors and plain
+  values, else a `Packed` of torch's flattening with argument-like objects as snapshots.
+
+  Example:
+    >>> from collections import OrderedDict
+    >>> pack_outputs((torch.ones(1), 2))[1]
+    2
+  """
+  jax = runtime.jax_module()
+  _register()
+  if all(isinstance(x, torch.Tensor) or plain.is_plain(x) for x in jax.tree.leaves(outputs)):
+    return outputs
+  leaves, spec = _compat.torch_tree().tree_flatten(outputs)
+  return Packed(_Ref(spec), [Snapshot.of(x) if _stateful(x) else x for x in leaves])
+
+
+def _flatten_packed(packed):
+  """Children: the tensors and snapshots; the other leaves (plain values, ...) are static."""
+  children = [x for x in packed.leaves if isinstance(x, (torch.Tensor, Snapshot)) or
+              hasattr(x, "dtype") and hasattr(x, "shape") and not plain.is_plain(x)]
+  child_ids = {id(x) for x in children}
+  static = tuple(None if id(x) in child_ids else _Value(x) if plain.is_plain(x) else _Ref(x)
+                 for x in packed.leaves)
+  return children, (packed.spec, static)
+
+
+def _unflatten_packed(aux, children):
+  spec, static = aux
+  children = iter(children)
+  return Packed(spec, [next(children) if s is None else s.value for s in static])
+
+
+def packing(fn):
+  """`fn` with its outputs passed through `pack_outputs`.
+
+  Example:
+    >>> packing(lambda: (torch.ones(1), 2))()[1]
+    2
+  """
+  return lambda *args, **kwargs: pack_outputs(fn(*args, **kwargs))
+
+
+def has_packed(tree):
+  """Whether `tree` holds a `Packed` (then the call's outputs need `unpack_outputs`).
+
+  Example:
+    >>> has_packed((torch.ones(1),))
+    False
+  """
+  jax = runtime.jax_module()
+  _register()
+  return any(isinstance(x, Packed) for x in jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, Packed)))
+
+
+def unpack_outputs(outputs, device):
+  """Undoes `pack_outputs` on the call's outputs (snapshots become objects again).
+
+  Example:
+    >>> unpack_outputs(Packed(_Ref(_compat.torch_tree().tree_flatten([1])[1]), [1]), None)
+    [1]
+  """
+  jax = runtime.jax_module()
+
+  def unpack(x):
+    if not isinstance(x, Packed):
+      return x
+    leaves = [_build(l.state, l.tensors, iter(l.tensors), device) if isinstance(l, Snapshot)
+              else l for l in x.leaves]
+    return _compat.torch_tree().tree_unflatten(leaves, x.spec.value)
+
+  return jax.tree.map(unpack, outputs, is_leaf=lambda x: isinstance(x, Packed))
+
+
 @functools.cache
 def _register():
   jax = runtime.jax_module()
   jax.tree_util.register_pytree_node(Snapshot, lambda s: (s.tensors, s.state),
                                      lambda state, tensors: Snapshot(state, tensors))
+  jax.tree_util.register_pytree_node(Packed, _flatten_packed, _unflatten_packed)

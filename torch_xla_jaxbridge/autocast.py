@@ -163,18 +163,17 @@ def _dispatch(dispatch, func, types, args, kwargs):
   enabled, low = _LOCAL.state
   policy = policy_for(func) if enabled else None
   try:
-    if policy is None:
-      return dispatch(func, types, args, kwargs)
-    args, kwargs = _apply(policy, args, kwargs or {}, low)
-    _LOCAL.inside = 1  # the op's own ops run without autocast, as under torch's autocast kernels
+    if policy is not None:
+      args, kwargs = _apply(policy, args, kwargs or {}, low)
+      _LOCAL.inside = 1  # the op's own ops run without autocast, as under torch's autocast kernels
     try:
       return dispatch(func, types, args, kwargs)
     except _operator_not_found():
-      if not is_function:
+      if not is_function or func.__name__ == "rot90":  # torchax special-cases rot90 itself
         raise
-      # torchax runs a torch function it does not convert as torch's own code, with the
-      # arguments it was given: give it the cast ones
-      return func(*args, **kwargs)
+      # torchax would run a torch function it does not convert as torch's own code after this
+      # returns, with the arguments it was given; run it here, with the cast ones and the state
+      return func(*args, **(kwargs or {}))
   finally:
     _LOCAL.state, _LOCAL.inside = saved, 0
 

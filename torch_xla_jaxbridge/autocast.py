@@ -12,6 +12,7 @@ autocast re-traces once. `torch.autocast("cpu")` does not touch XLA tensors, so 
 touch bridged code either.
 """
 import dataclasses
+import functools
 import threading
 
 import torch
@@ -102,18 +103,16 @@ _DECOMPOSED = {"aten::_log_softmax": "aten::log_softmax.int",
 _FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss"}
 
 
+@functools.cache
 def _function_policies():
   """Policies by torch function name: an aten op all of whose (non-`out`) overloads share one."""
-  found = getattr(_function_policies, "table", None)
-  if found is None:
-    found = {}
-    for name in {key.removeprefix("aten::").split(".")[0] for key in XLA_POLICY}:
-      overloads = [o for o in getattr(torch.ops.aten, name).overloads() if "out" not in o]
-      policies = {XLA_POLICY.get(f"aten::{name}" + ("" if o == "default" else f".{o}"))
-                  for o in overloads}
-      if len(policies) == 1 and None not in policies:
-        found[name] = policies.pop()
-    _function_policies.table = found
+  found = {}
+  for name in {key.removeprefix("aten::").split(".")[0] for key in XLA_POLICY}:
+    overloads = [o for o in getattr(torch.ops.aten, name).overloads() if not o.endswith("out")]
+    policies = {XLA_POLICY.get(f"aten::{name}" + ("" if o == "default" else f".{o}"))
+                for o in overloads}
+    if len(policies) == 1 and None not in policies:
+      found[name] = policies.pop()
   return found
 
 

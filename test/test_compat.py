@@ -169,3 +169,22 @@ def test_torch_checkpoint_wrapper_reads_the_hook():
 
 def test_dynamo_disabled_calls_through():
   assert _compat.dynamo_disabled(lambda x: x * 3)(2) == 6
+
+
+def test_torchax_routes_every_op_through_env_dispatch():
+  import torchax.config
+  import torchax.tensor
+
+  env = _compat.environment_class(print)(torchax.config.Configuration())  # not the shared one
+  seen = []
+  _compat.wrap_dispatch(env, lambda dispatch, func, *rest: (seen.append(func),
+                                                             dispatch(func, *rest))[1])
+  t = torchax.tensor.Tensor(jax.numpy.ones((2, 2)), env)
+  with env:
+    torch.matmul(t, t)
+  assert torch.matmul in seen and torch.ops.aten.mm.default in seen  # both levels
+
+
+def test_autocast_registrations_lists_the_dispatch_keys_ops():
+  assert "aten::linear" in _compat.autocast_registrations("AutocastXLA")
+  assert "aten::linear" in _compat.autocast_registrations("AutocastCPU")

@@ -332,3 +332,43 @@ def dynamo_disabled(fn):
 
   return torch._dynamo.disable(fn, recursive=True, wrapping=False)
 
+
+
+def autocast_registrations(dispatch_key):
+  """The ops with a kernel for an autocast dispatch key (`"AutocastXLA"`, `"AutocastCPU"`), as
+  `"aten::name.overload"` strings. torch has no public way to read its autocast op lists; the
+  bridge's own policy table (`autocast.XLA_POLICY`) is checked against this in the tests, so a
+  torch_xla release that adds or drops an autocast op fails there instead of silently differing.
+
+  Example:
+    >>> "aten::matmul" in autocast_registrations("AutocastXLA")
+    True
+  """
+  import torch
+
+  return set(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
+
+
+def wrap_dispatch(env, wrapper):
+  """Makes every op torchax converts in `env` go through `wrapper(dispatch, func, types, args,
+  kwargs)`, where `dispatch` is torchax's own conversion. torchax's function mode, dispatch mode
+  and tensor class all call `env.dispatch(...)` (tensor.py), so an attribute on the instance sees
+  each op at both levels (torch functions such as `F.linear`, then aten ops). If torchax stops
+  routing through it, autocast inside bridged code stops applying; `test_compat` checks it. Done
+  once per environment. Public alternative: none (torchax's own autocast hook reads one global
+  policy table and lacks torch_xla's list).
+
+  Example:
+    >>> import types
+    >>> env = types.SimpleNamespace(dispatch=lambda func, types, args, kwargs: func(*args))
+    >>> wrap_dispatch(env, lambda dispatch, func, *rest: -dispatch(func, *rest))
+    >>> env.dispatch(abs, (), (-2,), None)
+    -2
+  """
+  wrappers = env.__dict__.setdefault("_bridge_dispatch_wrappers", [])
+  if wrapper in wrappers:
+    return
+  wrappers.append(wrapper)
+  original = env.dispatch
+  env.dispatch = lambda func, types, args=(), kwargs=None: wrapper(original, func, types, args,
+                                                                    kwargs)

@@ -55,7 +55,8 @@ class Spec:
     self.treedef = treedef
     self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
     self.objects = objects  # the argument objects passed as their state, for re-trace reasons
-    self._key = (treedef, keys)
+    self.context = tracing.trace_keys()  # e.g. the autocast state at this call
+    self._key = (treedef, keys, self.context)
 
   @classmethod
   def split(cls, tree, needs_grad, caller):
@@ -88,6 +89,11 @@ class Spec:
   def __repr__(self):  # read in re-trace reasons
     marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
     return f"<tensors needing grad: {marks}{self.objects}>"
+
+  def describe_change(self, old):  # a re-trace reason when only the context changed
+    if isinstance(old, Spec) and old._key[:2] == self._key[:2]:
+      return tracing.describe_key_change(old.context, self.context)
+    return None
 
   def merge(self, diff, other):
     """The arguments' pytree with `diff` and `other` put back at their positions."""

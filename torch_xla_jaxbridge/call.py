@@ -188,7 +188,8 @@ def _retrace_reason(fn_name, previous, signature, paths):
         changes.append(f"{path} dtype {old_dtype} -> {dtype}")
     for path, old, new in zip(paths, old_statics, statics):
       if old != new and new[1] is not _TENSOR:
-        changes.append(f"{path} static value {_show(old)} -> {_show(new)}")
+        described = getattr(new[-1], "describe_change", lambda _: None)(old[-1])
+        changes.append(described or f"{path} static value {_show(old)} -> {_show(new)}")
   if old_config != config:
     changes.append("JAX config changed (x64, matmul precision, ...)")
   if old_captured != captured:

@@ -8,6 +8,8 @@ can write them back. Features plug in without this module knowing them:
   overrides, `jax_op`).
 - `register_trace_context(factory)`: a context entered around every traced torch call (control
   flow, torch's checkpoint as `jax.checkpoint`, `xs.mark_sharding` on traced tensors).
+- `register_trace_key(name, read)`: state outside the arguments that decides what traced code
+  computes (the autocast state), part of every bridged call's trace-cache key.
 
 This module imports no feature module; features import it and register themselves.
 """
@@ -23,6 +25,7 @@ from torch_xla_jaxbridge import _compat, diagnostics, errors, rng, runtime
 
 _OP_OVERRIDES = {}
 _TRACE_CONTEXTS = []
+_TRACE_KEYS = {}
 _SCOPE = threading.local()
 
 
@@ -46,6 +49,41 @@ def register_trace_context(factory: Callable[[], contextlib.AbstractContextManag
     >>> _TRACE_CONTEXTS.remove(contextlib.nullcontext)  # the doctest's own cleanup
   """
   _TRACE_CONTEXTS.append(factory)
+
+
+def register_trace_key(name: str, read: Callable[[], object]) -> None:
+  """Makes `read()` (hashable, read at each bridged call) part of the trace-cache key; a change
+  re-traces once, and the re-trace reason names `name`.
+
+  Example:
+    >>> register_trace_key("demo", lambda: 1)
+    >>> trace_keys()[-1]
+    ('demo', 1)
+    >>> del _TRACE_KEYS["demo"]  # the doctest's own cleanup
+  """
+  _TRACE_KEYS[name] = read
+
+
+def trace_keys() -> tuple:
+  """`((name, value), ...)` for every registered trace key, read now.
+
+  Example:
+    >>> isinstance(trace_keys(), tuple)
+    True
+  """
+  return tuple([(name, read()) for name, read in _TRACE_KEYS.items()])
+
+
+def describe_key_change(old: tuple, new: tuple) -> str:
+  """The re-trace reason for two `trace_keys()` results: `"name old -> new"` per change.
+
+  Example:
+    >>> describe_key_change((("autocast", "off"),), (("autocast", "xla bfloat16"),))
+    'autocast off -> xla bfloat16'
+  """
+  before = dict(old)
+  return "; ".join(f"{name} {before.get(name)} -> {value}" for name, value in new
+                   if before.get(name) != value)
 
 
 def _plain_tensor_used(tensor):

@@ -22,5 +22,5 @@ setup(
                                           "recipes/data/*"]},
     python_requires=">=3.11",
     install_requires=STACK,
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "transformers==4.57.1"]},
 )

@@ -16,6 +16,7 @@ import torch_xla  # noqa: E402,F401  (registers the 'xla' device)
 _compat.init_computation_client()
 
 from torch_xla_jaxbridge import dynamo_backend as _dynamo_backend  # noqa: E402
+from torch_xla_jaxbridge import hf_models as _hf_models  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import overrides as _overrides  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import autocast as _autocast  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import dlpack, errors, optim, spmd  # noqa: E402

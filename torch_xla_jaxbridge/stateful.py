@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from torch_xla_jaxbridge import _compat, errors, plain, runtime
+from torch_xla_jaxbridge import _compat, call, errors, plain, runtime
 
 _NOT_STATE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.ModuleType, torch.nn.Module)
@@ -71,6 +71,10 @@ class Snapshot:
     return cls(walk.describe(obj, 0), walk.tensors)
 
 
+class _TooDeep(Exception):
+  pass
+
+
 class _Walk:
   """One description of an object's state: new tensors collected in order, tensors that are
   among `known` (an earlier snapshot's) recorded by position."""
@@ -84,13 +88,10 @@ class _Walk:
         return ("input", self.known[id(value)])
       self.tensors.append(value)
       return ("tensor",)
-    if plain.is_plain(value):
+    if type(value) not in (list, tuple, dict) and plain.is_plain(value):
       return ("plain", _Value(value))
     if depth > _DEPTH:
-      raise errors.BadArgumentError(
-          f"a bridged argument of type {type(value).__name__} nests objects more than {_DEPTH} "
-          f"deep (or refers to itself); its tensors cannot be passed through the trace. Pass "
-          f"the tensors themselves.")
+      raise _TooDeep(type(value).__name__)
     if type(value) in (list, tuple):
       return (type(value).__name__, tuple(self.describe(v, depth + 1) for v in value))
     if type(value) is dict and all(plain.is_plain(k) for k in value):
@@ -114,7 +115,7 @@ def _build(desc, inputs, tensors, device=None):
     value = desc[1].value
     if device is not None and isinstance(value, torch.device) and value.type == "jax":
       return device
-    return value
+    return set(value) if type(value) is set else value  # the copy's own, as lists and dicts
   if kind == "ref":
     return desc[1].value
   if kind in ("list", "tuple"):
@@ -122,7 +123,8 @@ def _build(desc, inputs, tensors, device=None):
     return items if kind == "list" else tuple(items)
   if kind == "dict":
     return {k.value: _build(d, inputs, tensors, device) for k, d in desc[1]}
-  obj = object.__new__(desc[1].value)
+  cls = desc[1].value
+  obj = cls.__new__(cls)
   _fill(obj, desc, inputs, tensors, device)
   return obj
 
@@ -177,7 +179,15 @@ def box(tree):
   for i, leaf in enumerate(leaves):
     if not _stateful(leaf):
       continue
-    snapshot = Snapshot.of(leaf)
+    try:
+      snapshot = Snapshot.of(leaf)
+    except _TooDeep as e:
+      path = call.path_name(jax.tree_util.tree_flatten_with_path(tree)[0][i][0])
+      raise errors.BadArgumentError(
+          f"argument {path}: a {type(leaf).__name__} holding a {e} that nests objects more than "
+          f"{_DEPTH} deep (or refers to itself), so its tensors cannot be passed through the "
+          f"trace. Pass the tensors themselves; for a Hugging Face model in training, "
+          f"use_cache=False leaves the cache out.") from None
     if snapshot.tensors or _is_cache(leaf):  # an object without tensors stays a static value
       leaves[i] = snapshot
       boxed.append((leaf, snapshot))
@@ -222,8 +232,8 @@ def functionalized(fn):
     >>> def append(cache, x):
     ...   cache.keys.append(x * 2)
     >>> holder = types.SimpleNamespace(keys=[torch.zeros(1)])
-    >>> (_, cache), boxed = box(((holder, torch.ones(1)), {}))
-    >>> out, after = functionalized(append)(cache, torch.ones(1))
+    >>> ((cache, x), _), boxed = box(((holder, torch.ones(1)), {}))
+    >>> out, after = functionalized(append)(cache, x)
     >>> after[0].tensors[0].tolist()
     [2.0]
   """

@@ -1,0 +1,33 @@
+"""The models users bring: tiny random Hugging Face models called with their own defaults (the
+KV cache included), per layer and whole, against eager CPU; greedy decoding with both caches."""
+import pytest
+import torch
+
+import torch_xla_jaxbridge as jb
+import zoo
+
+# Greedy decoding compiles a program per generated token (about 1.5 s each on 2 cores): Llama in
+# the default run, the other architectures under `make slow` (results in docs/models.md).
+QUICK = ("llama",)
+GENERATORS = [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
+              for name, (*_, generates) in zoo.ARCHITECTURES.items() if generates]
+
+
+@pytest.mark.parametrize("mode", zoo.MODES)
+@pytest.mark.parametrize("name", list(zoo.ARCHITECTURES))
+def test_training_step_matches_eager(name, mode):
+  eager, bridged, worst, _ = zoo.train_step(name, mode)
+  assert bridged == pytest.approx(eager, rel=1e-5)
+  assert worst < 1e-4
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", GENERATORS)
+def test_greedy_generation_matches_eager(name, cache):
+  expected, tokens, traces = zoo.generate(name, cache)
+  assert torch.equal(tokens, expected)
+  layers = 2
+  # a DynamicCache grows: one trace per length and layer; a StaticCache is written in place:
+  # prefill and decode, per layer (Mistral's sliding-window layers count tokens in a Python int)
+  per_token = cache == "dynamic" or name in zoo.STATIC_CACHE_COUNTS_IN_PYTHON
+  assert traces == (layers * zoo.NEW_TOKENS if per_token else layers * 2)

@@ -1,0 +1,117 @@
+"""Tiny random Hugging Face models (no downloads) and the ways a user bridges them, compared with
+eager CPU PyTorch: the model zoo of test_models.py and scripts/model_zoo.py."""
+import copy
+
+import torch
+import torch_xla
+import transformers as tf
+
+import torch_xla_jaxbridge as jb
+
+VOCAB, BATCH, LENGTH, NEW_TOKENS = 64, 2, 8, 8
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                attn_implementation="eager")
+
+
+def _bert_config():
+  return tf.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="eager")
+
+
+# name -> (config, model class, the list of layers, whether it generates)
+ARCHITECTURES = {
+    "llama": (lambda: tf.LlamaConfig(**_DECODER), tf.LlamaForCausalLM,
+              lambda m: m.model.layers, True),
+    "mistral": (lambda: tf.MistralConfig(**_DECODER), tf.MistralForCausalLM,
+                lambda m: m.model.layers, True),
+    "qwen2": (lambda: tf.Qwen2Config(**_DECODER), tf.Qwen2ForCausalLM,
+              lambda m: m.model.layers, True),
+    "gemma": (lambda: tf.GemmaConfig(**_DECODER, head_dim=8), tf.GemmaForCausalLM,
+              lambda m: m.model.layers, True),
+    "phi3": (lambda: tf.Phi3Config(**_DECODER, pad_token_id=0), tf.Phi3ForCausalLM,
+             lambda m: m.model.layers, True),
+    "mixtral": (lambda: tf.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2),
+                tf.MixtralForCausalLM, lambda m: m.model.layers, True),
+    "gpt2": (lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                   n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0, attn_implementation="eager"),
+             tf.GPT2LMHeadModel, lambda m: m.transformer.h, True),
+    "bert": (_bert_config, tf.BertForMaskedLM, lambda m: m.bert.encoder.layer, False),
+}
+MODES = ("layers", "whole")
+# StaticCache layers that keep a Python counter of the tokens seen (sliding windows): their state,
+# and so the trace, changes every token
+STATIC_CACHE_COUNTS_IN_PYTHON = {"mistral"}
+
+
+def build(name):
+  """The eager CPU model (seeded) and its inputs, called as training scripts call it."""
+  config, model_class, _, _ = ARCHITECTURES[name]
+  torch.manual_seed(0)
+  model = model_class(config())
+  ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
+  inputs = {"input_ids": ids, "labels": ids}
+  if name == "bert":  # an encoder with padding: the attention mask matters
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, -3:] = 0
+    inputs["attention_mask"] = mask
+  return model, inputs
+
+
+def on_xla(model, name, mode):
+  """A copy of `model` on the XLA device, bridged per layer or whole: `(copy, what to call)`."""
+  moved = copy.deepcopy(model).to("xla")
+  moved.tie_weights()  # moving to XLA makes new parameters: tie them again, as on CPU
+  if mode == "whole":
+    return moved, jb.BridgeModule(moved)
+  layers = ARCHITECTURES[name][2](moved)
+  for i in range(len(layers)):
+    layers[i] = jb.BridgeModule(layers[i])
+  return moved, moved
+
+
+def train_step(name, mode):
+  """`(eager loss, bridged loss, worst relative gradient error, traces)` of one forward and
+  backward with the model's defaults."""
+  model, inputs = build(name)
+  reference = model(**inputs)
+  reference.loss.backward()
+  moved, call = on_xla(model, name, mode)
+  jb.clear_cache()
+  out = call(**{k: v.to("xla") for k, v in inputs.items()})
+  out.loss.backward()
+  torch_xla.sync()  # one program for the loss and every gradient (not one per `.cpu()`)
+  pairs = list(zip(moved.named_parameters(), model.parameters()))
+  # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise:
+  # measured against a floor of 1e-3 of the largest gradient
+  floor = 1e-3 * max(q.grad.norm().item() for _, q in pairs if q.grad is not None)
+  worst = 0.0
+  for (pname, p), q in pairs:
+    if q.grad is None:
+      assert p.grad is None, pname
+      continue
+    error = ((p.grad.cpu() - q.grad).norm() / max(q.grad.norm().item(), floor)).item()
+    worst = max(worst, error)
+  return reference.loss.item(), out.loss.item(), worst, jb.cache_info().misses
+
+
+def generate(name, cache):
+  """`(eager tokens, bridged tokens, traces)` of greedy decoding with per-layer bridging;
+  `cache` is "dynamic" or "static"."""
+  model, inputs = build(name)
+  model.eval()
+  ids = inputs["input_ids"]
+  options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                 attention_mask=torch.ones_like(ids))
+  if cache == "static":
+    options["cache_implementation"] = "static"
+  moved, _ = on_xla(model, name, "layers")  # before generating: generate keeps its cache on the model
+  with torch.no_grad():
+    expected = model.generate(ids, **options)
+    jb.clear_cache()
+    options["attention_mask"] = options["attention_mask"].to("xla")
+    tokens = moved.generate(ids.to("xla"), **options).cpu()
+  return expected, tokens, jb.cache_info().misses

@@ -188,3 +188,20 @@ def test_torchax_routes_every_op_through_env_dispatch():
 def test_autocast_registrations_lists_the_dispatch_keys_ops():
   assert "aten::linear" in _compat.autocast_registrations("AutocastXLA")
   assert "aten::linear" in _compat.autocast_registrations("AutocastCPU")
+
+
+def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
+  import torch_xla
+
+  w = torch.ones(16, 8, device="xla")
+  b = torch.ones(3, device="xla")
+  torch_xla.sync()
+  w.mul_(2)
+  y = (b + 1).sum()
+  proto, ids, shapes = _compat.pending_graph([w, y])
+  assert shapes[ids.index(_compat.tensor_state(w)[1])] == (16, 8)
+  assert _compat.tensor_state(w)[2] and _compat.tensor_state(w)[1] in ids
+  assert {_compat.tensor_state(w)[0], _compat.tensor_state(y)[0]} <= _compat.live_pending_ids("xla:0")
+  stats = _compat.compiled_memory(proto, [(0, ids.index(_compat.tensor_state(w)[1]))], 2)
+  assert stats.alias_size_in_bytes == 16 * 8 * 4
+  torch_xla.sync()

@@ -28,10 +28,11 @@ from torch_xla_jaxbridge.jaxify import jaxify  # noqa: E402
 from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # noqa: E402
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge.inspection import lower_bridged, saved_residuals  # noqa: E402
+from torch_xla_jaxbridge.memory import MemoryReport, memory_report  # noqa: E402
 from torch_xla_jaxbridge.scan import StackedLayers, scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
-           "Remat", "checkpoint_name", "saved_residuals", "lower_bridged",
+           "Remat", "checkpoint_name", "saved_residuals", "lower_bridged", "memory_report", "MemoryReport",
            "scan_layers", "StackedLayers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
            "jax_op", "optim", "spmd"]
 

@@ -26,7 +26,9 @@ def xlac():
 
 XLAC_FUNCTIONS = ("_xla_user_computation", "_xla_op_computation_from_module_proto",
                   "_get_xla_op_sharding", "_xla_mark_sharding", "_replace_xla_tensor",
-                  "_xla_sync_multi", "_init_computation_client", "_get_xla_sharding_spec")
+                  "_xla_sync_multi", "_init_computation_client", "_get_xla_sharding_spec",
+                  "_get_xla_tensors_hlo_proto", "_get_tensors_xla_device_data_node",
+                  "_get_xla_tensor_debug_info", "_xla_get_tensor_id", "_xla_tensors_report")
 
 
 def init_computation_client():
@@ -372,3 +374,102 @@ def wrap_dispatch(env, wrapper):
   original = env.dispatch
   env.dispatch = lambda func, types, args=(), kwargs=None: wrapper(original, func, types, args,
                                                                     kwargs)
+
+
+# --- the compiled memory of a step (memory.py) ----------------------------------------------------
+
+def pending_graph(tensors):
+  """`(hlo_proto_bytes, parameter_tensor_ids, parameter_shapes)` of the program torch_xla would
+  compile to compute `tensors` (its `IrToHlo` lowering, the same as a sync's, without the
+  input/output aliasing a sync adds). Parameter ids are torch_xla tensor ids (-1: a constant).
+  Breaks if torch_xla renames these entry points; `test_compat` checks the parameter order
+  against the HLO's. Public alternative: none.
+
+  Example:
+    >>> import torch, torch_xla
+    >>> x = torch.ones(2, device="xla") + 1
+    >>> proto, ids, shapes = pending_graph([x])
+    >>> len(proto) > 0 and len(ids) == len(shapes)
+    True
+  """
+  proto = xlac()._get_xla_tensors_hlo_proto(list(tensors))
+  ids, values = xlac()._get_tensors_xla_device_data_node(list(tensors))
+  return proto, list(ids), [tuple(getattr(v, "shape", ())) for v in values]
+
+
+def tensor_state(tensor):
+  """`(tensor_id, alias_id, pending)` of an XLA tensor: its torch_xla id, the id of the device data
+  an in-place update of it replaces (a sync aliases that input to this output), and whether it
+  holds a graph still to run. Read from torch_xla's debug text; `test_compat` checks the fields.
+
+  Example:
+    >>> import torch, torch_xla
+    >>> x = torch.ones(2, device="xla")
+    >>> torch_xla.sync()
+    >>> _ = x.add_(1)
+    >>> tensor_state(x)[2]
+    True
+  """
+  import re
+
+  info = xlac()._get_xla_tensor_debug_info(tensor)
+  alias = re.search(r"AliasID: (-?\d+)", info)
+  if alias is None or "XLAData:" not in info:
+    raise RuntimeError(f"torch_xla's tensor debug info changed: {info!r}")
+  return (xlac()._xla_get_tensor_id(tensor), int(alias.group(1)),
+          re.search(r"XLAData: None", info) is not None)
+
+
+def live_pending_ids(device):
+  """torch_xla's ids of every live tensor on `device` whose value is a graph still to run (more
+  than a lone `device_data` node): what `torch_xla.sync()` computes. Parsed from
+  `_xla_tensors_report`; `test_compat` checks the format.
+
+  Example:
+    >>> import torch, torch_xla
+    >>> x = torch.ones(2, device="xla") * 3
+    >>> tensor_state(x)[0] in live_pending_ids(str(x.device))
+    True
+  """
+  import re
+
+  report = xlac()._xla_tensors_report(0, device)
+  found = set()
+  for tid, ir in re.findall(r"Tensor: id=(\d+),[^\n]*\nIR \{\n(.*?)\n\}", report, re.S):
+    lines = ir.strip().splitlines()
+    if not (len(lines) == 1 and "xla::device_data" in lines[0]):
+      found.add(int(tid))
+  return found
+
+
+def compiled_memory(hlo_proto, aliases, outputs=2):
+  """XLA's compiled memory statistics (`CompiledMemoryStats`: argument, output, alias, temp
+  bytes) of an HLO module with `outputs` results, compiled for JAX's CPU backend with `aliases`
+  [(output index, parameter index)] as its input/output aliasing. Uses jaxlib's XLA client (private `jax._src.lib`):
+  HLO text -> module -> StableHLO -> `compile_and_load`. Breaks on a jaxlib that renames these;
+  `test_compat` compiles a small module and checks the alias bytes. Public alternative: none for a
+  module JAX did not trace.
+
+  Example:
+    >>> import torch, torch_xla
+    >>> proto, _, _ = pending_graph([torch.ones(4, device="xla") * 2])
+    >>> compiled_memory(proto, []).output_size_in_bytes
+    16
+  """
+  jax = _jax()
+  from jax._src.lib import xla_client
+
+  xla = xla_client._xla
+  module = xla.HloModule.from_serialized_hlo_module_proto(hlo_proto)
+  if aliases:
+    text = module.to_string()
+    header, rest = text.split("\n", 1)
+    tupled = outputs > 1  # StableHLO unwraps a 1-tuple: the one output's index is {}
+    spec = ", ".join(("{%d}" % out if tupled else "{}") + ": (%d, {}, may-alias)" % param
+                     for out, param in aliases)
+    text = f"{header}, input_output_alias={{ {spec} }}\n{rest}"
+    module = xla.hlo_module_from_text(text)
+  mlir = xla.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+  cpu = jax.devices("cpu")[:1]
+  executable = cpu[0].client.compile_and_load(mlir, cpu, xla_client.CompileOptions())
+  return executable.get_compiled_memory_stats()

@@ -17,6 +17,7 @@ from torch_xla_jaxbridge import (_compat, call, captures, dtypes, errors, module
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
+_ATOMS = (bool, int, float, str, type(None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,17 @@ class Spec:
         markers.append(DIFF if needs else OTHER)
       else:
         markers.append(leaf)
-    try:
-      keys = tuple([plain.static_key(m) for m in markers if m is not DIFF and m is not OTHER])
+    statics = [m for m in markers if m is not DIFF and m is not OTHER]
+    objects = any(type(m) not in _ATOMS and stateful.may_hold_state(m) for m in statics)
+    try:  # the common statics (flags, sizes, None) keyed by type and value without plain.key
+      keys = tuple([(type(m), m) if type(m) in _ATOMS else plain.static_key(m) for m in statics])
     except plain.NotPlain:
-      call.static_keys(markers, tree, caller)  # raises, naming the leaf
-      raise
-    return cls(treedef, tuple(markers), keys), diff, other
+      if not objects:  # an object may yet be passed as its state (`stateful.box`)
+        call.static_keys(markers, tree, caller)  # raises, naming the leaf
+      keys = None
+    spec = cls(treedef, tuple(markers), keys)
+    spec.has_objects = objects
+    return spec, diff, other
 
   def __eq__(self, other):
     return isinstance(other, Spec) and self._key == other._key
@@ -137,9 +143,14 @@ class Bridged:
     seed = kwargs.pop("rng_seed") if self.seeded else None
     args = captures.with_captures(self.fn, self.name, args)  # closure/global/self tensors: inputs
     grad_on = torch.is_grad_enabled()
-    (args, kwargs), boxed = stateful.box((args, kwargs))  # argument objects holding tensors
-    spec, diff, other = Spec.split((args, kwargs), lambda t: grad_on and t.requires_grad,
-                                   self.name)
+    needs_grad = lambda t: grad_on and t.requires_grad  # noqa: E731
+    spec, diff, other = Spec.split((args, kwargs), needs_grad, self.name)
+    boxed = ()
+    if spec.has_objects:  # argument objects holding tensors: passed as their state
+      (args, kwargs), boxed = stateful.box((args, kwargs))
+      spec, diff, other = Spec.split((args, kwargs), needs_grad, self.name)
+      if spec._key[1] is None:  # an unhashable object that holds no tensor
+        call.static_keys(spec.leaves, (args, kwargs), self.name)
     if boxed:
       spec.objects = "".join(f"; {stateful.summary(obj, snap)}" for obj, snap in boxed)
     device = _device(diff, other)

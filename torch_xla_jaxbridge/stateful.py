@@ -147,7 +147,14 @@ def materialize(snapshot):
   return _build(snapshot.state, snapshot.tensors, iter(snapshot.tensors))
 
 
-def _stateful(leaf):
+def may_hold_state(leaf) -> bool:
+  """Whether an argument leaf is an object that `box` looks into (not a tensor, plain value,
+  module, class or function).
+
+  Example:
+    >>> may_hold_state(3), may_hold_state(torch.nn.Linear(1, 1))
+    (False, False)
+  """
   return not (isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
               or callable(leaf)
               or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
@@ -177,7 +184,7 @@ def box(tree):
   leaves, treedef = jax.tree.flatten(tree)
   boxed = []
   for i, leaf in enumerate(leaves):
-    if not _stateful(leaf):
+    if not may_hold_state(leaf):
       continue
     try:
       snapshot = Snapshot.of(leaf)
@@ -294,7 +301,7 @@ def pack_outputs(outputs):
   if all(isinstance(x, torch.Tensor) or plain.is_plain(x) for x in jax.tree.leaves(outputs)):
     return outputs
   leaves, spec = _compat.torch_tree().tree_flatten(outputs)
-  return Packed(_Ref(spec), [Snapshot.of(x) if _stateful(x) else x for x in leaves])
+  return Packed(_Ref(spec), [Snapshot.of(x) if may_hold_state(x) else x for x in leaves])
 
 
 def _flatten_packed(packed):

@@ -5,6 +5,7 @@ rest, and adds one `call_jax` node: the forward half of `jax.vjp` of the torchax
 function, whose residuals stay in the graph as XLA tensors. When torch's backward reaches the
 call, a second `call_jax` node applies the saved `vjp` function to the output cotangents.
 """
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -137,10 +138,12 @@ class Bridged:
   def __call__(self, *args, **kwargs):
     register_static_pytree()
     if self.seeded and "rng_seed" not in kwargs:
-      raise errors.BadArgumentError(
+      raise errors.MissingSeedError(
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
+    if _any_traced((args, kwargs)):  # called inside bridged code: run in the enclosing trace
+      return self.inline(args, kwargs, seed)
     args = captures.with_captures(self.fn, self.name, args)  # closure/global/self tensors: inputs
     grad_on = torch.is_grad_enabled()
     needs_grad = lambda t: grad_on and t.requires_grad  # noqa: E731
@@ -169,6 +172,56 @@ class Bridged:
       outputs, after = outputs
       stateful.write_back(boxed, after, device)
     return stateful.unpack_outputs(outputs, device) if layout.packed else outputs
+
+  def inline(self, args, kwargs, seed=None):
+    """The torch function run directly in the enclosing trace (called inside bridged code), in
+    `jax.checkpoint` with this function's remat policy when it has one; `seed` (rng_seed) fixes
+    its randomness.
+
+    Example:
+      >>> inner = Bridged(lambda x: x * 2, remat="full")
+      >>> Bridged(lambda x: inner(x) + 1)(torch.ones(2, device="xla")).cpu().tolist()
+      [3.0, 3.0]
+    """
+    jax = runtime.jax_module()
+    with_path, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    for path, leaf in with_path:
+      if isinstance(leaf, torch.Tensor) and not tracing.is_traced(leaf):
+        raise errors.CapturedTensorError(
+            f"{self.name}: {call.path_name(path)} is a tensor on {leaf.device} from outside the "
+            f"bridged code that calls {self.name} (shape {tuple(leaf.shape)}); inside bridged "
+            f"code every tensor must come from its arguments. Pass it (or the modules holding it) "
+            f"to the enclosing bridged function as an argument, or read it from a variable that "
+            f"function closes over directly (a tensor or module, not in a list).")
+    env = tracing.environment()
+    key = None if seed is None else _key_from_seed(jax, seed)
+    if self.policy is None:
+      with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
+        return self.fn(*args, **kwargs)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if tracing.is_traced(leaf)]
+    outer_key = _compat.current_key(env)
+    found = {}  # learnt while `run` is traced: which arguments changed, whether it drew
+
+    def run(*arrays):
+      wrapped = list(leaves)
+      for p, a in zip(positions, tracing.to_torchax(arrays)):
+        wrapped[p] = a
+      inner_args, inner_kwargs = treedef.unflatten(wrapped)
+      start = key if key is not None else jax.random.fold_in(outer_key, 0x6a62)
+      with env.override_property(prng=start):
+        outputs = self.fn(*inner_args, **inner_kwargs)
+        found["drew"] = _compat.current_key(env) is not start
+      found["mutated"] = [p for p, a in zip(positions, arrays) if wrapped[p].jax() is not a]
+      return tracing.to_jax(outputs), [wrapped[p].jax() for p in found["mutated"]]
+
+    outputs, mutated = jax.checkpoint(run, policy=self.policy)(
+        *[leaves[p].jax() for p in positions])
+    for p, value in zip(found["mutated"], tracing.to_torchax(mutated)):
+      leaves[p].copy_(value)
+    if found["drew"] and key is None:
+      env.get_and_rotate_prng_key()  # later draws of the enclosing code differ from these
+    return tracing.to_torchax(outputs)
 
   def _invoke(self, spec, key_data, diff, other):
     if diff:
@@ -268,6 +321,23 @@ class _VjpFunction(torch.autograd.Function):
           f"inputs.") from e
     spmd.shard_like(grads, ctx.shardings)  # a gradient is sharded as its input, not left to chance
     return (None, None, None, None, None, *grads)
+
+
+def _any_traced(tree):
+  traced = tracing.torchax_tensor_type()  # None until the first trace imports torchax
+  return traced is not None and any(
+      isinstance(leaf, traced) for leaf in runtime.jax_module().tree.leaves(tree))
+
+
+def _key_from_seed(jax, seed):
+  """The key `rng.key_data(seed)` would give, for an int or a traced integer tensor."""
+  if isinstance(seed, int):
+    data = jax.numpy.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], jax.numpy.uint32)
+  else:
+    s = tracing.to_jax(seed).reshape(())
+    high = s >> 32 if s.dtype.itemsize == 8 else s >> 31  # the sign's bits for a 32-bit seed
+    data = jax.numpy.stack([high.astype(jax.numpy.uint32), s.astype(jax.numpy.uint32)])
+  return jax.random.wrap_key_data(data)
 
 
 def _device(diff, other):

@@ -5,7 +5,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch_xla_jaxbridge import _compat, dtypes, errors, lowering, plain, runtime
+from torch_xla_jaxbridge import _compat, dtypes, errors, lowering, plain, runtime, tracing
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
 _jax = None
@@ -25,7 +25,9 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
   Tensors anywhere in the `args`/`kwargs` pytrees reach `jax_func` as `jax.Array`s; every other
   leaf (Python scalars, strings, `torch.dtype`s, NumPy arrays) is static: it is baked into the
   trace and is part of the cache key. The function is traced and lowered once per abstract
-  signature; later calls only add the cached computation to the graph.
+  signature; later calls only add the cached computation to the graph. Inside bridged code (the
+  tensors are traced torchax tensors) the function runs directly in the enclosing trace: no node
+  of its own, gradients through the enclosing call's `jax.vjp`.
 
   Args:
     jax_func: a pure, `jax.jit`-traceable function.
@@ -46,6 +48,9 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
   if _jax is None:
     _load()
   leaves, treedef = _jax.tree.flatten((args, kwargs))
+  traced_type = tracing.torchax_tensor_type()
+  if traced_type is not None and any(isinstance(leaf, traced_type) for leaf in leaves):
+    return _inline(jax_func, leaves, treedef, (args, kwargs), name)
   tensors = []
   statics = []
   for leaf in leaves:
@@ -68,6 +73,21 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
                    name)
   outputs = _user_computation(entry.op_name, tensors, entry.computation)
   return entry.out_tree.unflatten(outputs)
+
+
+def _inline(jax_func, leaves, treedef, tree, name):
+  """`call_jax` inside bridged code: `jax_func` on the traced arrays, outputs as torchax tensors."""
+  values = []
+  for path, leaf in zip(_leaf_paths(tree), leaves):
+    if isinstance(leaf, torch.Tensor) and not tracing.is_traced(leaf):
+      raise errors.CapturedTensorError(
+          f"{function_name(jax_func, name)}: {path} is a tensor on {leaf.device} from outside "
+          f"the bridged code that calls call_jax (its other tensors are traced). Pass it to the "
+          f"bridged function as an argument, or read it from a variable it closes over.")
+    values.append(leaf.jax() if isinstance(leaf, torch.Tensor) else
+                  dtypes.to_jax(leaf) if isinstance(leaf, torch.dtype) else leaf)
+  args, kwargs = treedef.unflatten(values)
+  return tracing.to_torchax(jax_func(*args, **(kwargs or {})))
 
 
 def _cache_anchor(fn):

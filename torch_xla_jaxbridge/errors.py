@@ -9,6 +9,11 @@ class BadArgumentError(BridgeError, TypeError):
   """An argument cannot cross the torch/JAX boundary (wrong device, unhashable static, ...)."""
 
 
+class MissingSeedError(BadArgumentError, AssertionError):
+  """A function made with `assume_pure(..., add_rng_seed_argument=True)` was called without
+  `rng_seed=`; an `AssertionError` too, as upstream torch_xla raises there."""
+
+
 class JaxTracingError(BridgeError):
   """The JAX function raised while being traced for one abstract signature."""
 

@@ -163,10 +163,23 @@ def _cpu_share(tensor):
   (callers that the user called warn first; gradients are laid out by autograd, not the user)."""
   from torch_xla.utils import dlpack as xla_dlpack
 
+  return xla_dlpack.from_dlpack(shareable(tensor))
+
+
+def shareable(tensor):
+  """A CPU tensor as XLA and JAX can import it: detached, and copied to dense memory only when
+  `unshareable` says its own cannot be handed over.
+
+  Example:
+    >>> import torch
+    >>> t = torch.ones(4, 4)
+    >>> shareable(t).data_ptr() == t.data_ptr(), shareable(t.t()).is_contiguous()
+    (True, True)
+  """
   tensor = tensor.detach()
   if unshareable(tensor) is not None:
     tensor = tensor.clone(memory_format=torch.contiguous_format)
-  return xla_dlpack.from_dlpack(tensor)
+  return tensor
 
 
 def _warn_if_copied(tensor, name):

@@ -58,6 +58,7 @@ class Spec:
     self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
     self.objects = objects  # the argument objects passed as their state, for re-trace reasons
     self.context = tracing.trace_keys()  # e.g. the autocast state at this call
+    self.keyed = keys is not None  # False: an unhashable static, until `stateful.box` takes it
     self._key = (treedef, keys, self.context)
 
   @classmethod
@@ -152,7 +153,7 @@ class Bridged:
     if spec.has_objects:  # argument objects holding tensors: passed as their state
       (args, kwargs), boxed = stateful.box((args, kwargs))
       spec, diff, other = Spec.split((args, kwargs), needs_grad, self.name)
-      if spec._key[1] is None:  # an unhashable object that holds no tensor
+      if not spec.keyed:  # an unhashable object that holds no tensor: name it
         call.static_keys(spec.leaves, (args, kwargs), self.name)
     if boxed:
       spec.objects = "".join(f"; {stateful.summary(obj, snap)}" for obj, snap in boxed)
@@ -198,27 +199,22 @@ class Bridged:
     if self.policy is None:
       with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
         return self.fn(*args, **kwargs)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if tracing.is_traced(leaf)]
+    tensors, rebuild = tracing.traced_arrays((args, kwargs))
     outer_key = _compat.current_key(env)
     found = {}  # learnt while `run` is traced: which arguments changed, whether it drew
 
     def run(*arrays):
-      wrapped = list(leaves)
-      for p, a in zip(positions, tracing.to_torchax(arrays)):
-        wrapped[p] = a
-      inner_args, inner_kwargs = treedef.unflatten(wrapped)
+      (inner_args, inner_kwargs), wrapped = rebuild(arrays)
       start = key if key is not None else jax.random.fold_in(outer_key, 0x6a62)
       with env.override_property(prng=start):
         outputs = self.fn(*inner_args, **inner_kwargs)
         found["drew"] = _compat.current_key(env) is not start
-      found["mutated"] = [p for p, a in zip(positions, arrays) if wrapped[p].jax() is not a]
-      return tracing.to_jax(outputs), [wrapped[p].jax() for p in found["mutated"]]
+      found["mutated"] = [i for i, (w, a) in enumerate(zip(wrapped, arrays)) if w.jax() is not a]
+      return tracing.to_jax(outputs), [wrapped[i].jax() for i in found["mutated"]]
 
-    outputs, mutated = jax.checkpoint(run, policy=self.policy)(
-        *[leaves[p].jax() for p in positions])
-    for p, value in zip(found["mutated"], tracing.to_torchax(mutated)):
-      leaves[p].copy_(value)
+    outputs, mutated = jax.checkpoint(run, policy=self.policy)(*[t.jax() for t in tensors])
+    for i, value in zip(found["mutated"], tracing.to_torchax(mutated)):
+      tensors[i].copy_(value)
     if found["drew"] and key is None:
       env.get_and_rotate_prng_key()  # later draws of the enclosing code differ from these
     return tracing.to_torchax(outputs)

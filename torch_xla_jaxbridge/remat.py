@@ -170,17 +170,13 @@ def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
                     determinism_check=determinism_check, debug=debug,
                     preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs)
   jax = runtime.jax_module()
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, x in enumerate(leaves) if tracing.is_traced(x)]
+  tensors, rebuild = tracing.traced_arrays((args, kwargs))
 
   def recomputed(*arrays):
-    full = list(leaves)
-    for i, a in zip(positions, tracing.to_torchax(arrays)):
-      full[i] = a
-    call_args, call_kwargs = treedef.unflatten(full)
+    (call_args, call_kwargs), _ = rebuild(arrays)
     return tracing.to_jax(function(*call_args, **call_kwargs))
 
-  out = jax.checkpoint(recomputed)(*[leaves[i].jax() for i in positions])
+  out = jax.checkpoint(recomputed)(*[t.jax() for t in tensors])
   return tracing.to_torchax(out)
 
 

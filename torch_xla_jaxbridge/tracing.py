@@ -32,9 +32,9 @@ _SCOPE = threading.local()
 def register_op_override(op, impl: Callable) -> None:
   """Makes bridged code run `impl` (on torchax tensors) for the torch op or function `op`.
 
-  Example:
-    >>> register_op_override(torch.ops.aten.relu.default, lambda x: x.clamp(min=0))
-    >>> del _OP_OVERRIDES[torch.ops.aten.relu.default]  # the doctest's own cleanup
+  Example (what `overrides` does at import; registering it again changes nothing):
+    >>> from torch_xla_jaxbridge import overrides
+    >>> register_op_override(torch.nn.functional.linear, overrides.linear)
   """
   _OP_OVERRIDES[op] = impl
   if environment.cache_info().currsize:
@@ -158,6 +158,31 @@ def to_torchax(tree):
 
   return jax.tree.map(
       lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
+
+
+def traced_arrays(tree):
+  """`(tensors, rebuild)` for a pytree of torch values inside a trace: `tensors` are its traced
+  tensors, and `rebuild(arrays)` gives the pytree with new torchax tensors of `arrays` in their
+  places, and those new tensors. Runs torch code as a function of arrays (`jax.checkpoint`).
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> tensors, rebuild = traced_arrays((to_torchax(jax.numpy.ones(2)), 3))
+    >>> (x, n), new = rebuild([jax.numpy.zeros(2)])
+    >>> x.jax().tolist(), n, new[0] is x
+    ([0.0, 0.0], 3, True)
+  """
+  jax = runtime.jax_module()
+  leaves, treedef = jax.tree.flatten(tree)
+  positions = [i for i, leaf in enumerate(leaves) if is_traced(leaf)]
+
+  def rebuild(arrays):
+    full, new = list(leaves), to_torchax(list(arrays))
+    for position, tensor in zip(positions, new):
+      full[position] = tensor
+    return treedef.unflatten(full), new
+
+  return [leaves[i] for i in positions], rebuild
 
 
 def scoped_cache(name: str) -> dict:

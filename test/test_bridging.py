@@ -449,3 +449,17 @@ def test_linear_forward_mode_derivative():
   _, tangent = jax.jvp(lambda x, w: fn({**params, "weight": w}, x), (x, params["weight"]),
                        (dx, dw))
   np.testing.assert_allclose(tangent, dx @ np.asarray(params["weight"]).T + x @ dw.T, rtol=1e-5)
+
+
+def test_a_tensor_passed_twice_is_one_tensor_in_the_trace(dev):
+  """Eager code that updates `a` in place sees the update through `b`: so does the trace."""
+  def bump_and_read(a, b):
+    a.add_(1)
+    return b * 1
+
+  t = torch.zeros(2, device=dev)
+  assert jb.bridge(bump_and_read)(t, t).cpu().tolist() == [1.0, 1.0]
+  assert t.cpu().tolist() == [1.0, 1.0]
+  w = torch.ones(2, device=dev, requires_grad=True)
+  jb.bridge(lambda a, b: (a * b).sum())(w, w).backward()  # d(w.w)/dw = 2w
+  assert w.grad.cpu().tolist() == [2.0, 2.0]

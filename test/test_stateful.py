@@ -60,3 +60,17 @@ def test_an_object_nested_too_deep_is_named(dev):
                      r"holding a SimpleNamespace that nests objects more than 8 deep \(or refers "
                      r"to itself\).*use_cache=False"):
     jb.bridge(lambda x, n: x * n.value)(torch.ones(1, device=dev), node)
+
+
+def test_a_tensor_held_twice_stays_one_tensor_in_the_trace(dev):
+  """Eager code that updates `a` in place sees the update through `b`: so does the trace."""
+  shared = torch.zeros(2, device=dev)
+  holder = types.SimpleNamespace(a=shared, b=shared)
+
+  def bump_and_read(h, x):
+    h.a.add_(1)
+    return x + h.b
+
+  out = jb.bridge(bump_and_read)(holder, torch.ones(2, device=dev))
+  assert out.cpu().tolist() == [2.0, 2.0]
+  assert holder.a is shared and holder.b is shared and shared.cpu().tolist() == [1.0, 1.0]

@@ -18,6 +18,11 @@ from torch_xla_jaxbridge import (_compat, call, captures, dtypes, errors, module
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
+
+
+class _Same(int):
+  """Marks a tensor leaf that is the same tensor as the leaf at this earlier position."""
+  __slots__ = ()
 _ATOMS = (bool, int, float, str, type(None))
 
 
@@ -68,9 +73,13 @@ class Spec:
     the trace cache is an error naming it."""
     jax = runtime.jax_module()
     leaves, treedef = jax.tree.flatten(tree)
-    markers, diff, other = [], [], []
-    for leaf in leaves:
+    markers, diff, other, first = [], [], [], {}
+    for position, leaf in enumerate(leaves):
       if isinstance(leaf, torch.Tensor):
+        if id(leaf) in first:  # the same tensor again: one input, so the trace sees one tensor
+          markers.append(_Same(first[id(leaf)]))
+          continue
+        first[id(leaf)] = position
         needs = needs_grad(leaf)
         (diff if needs else other).append(leaf)
         markers.append(DIFF if needs else OTHER)
@@ -104,9 +113,13 @@ class Spec:
     return None
 
   def merge(self, diff, other):
-    """The arguments' pytree with `diff` and `other` put back at their positions."""
+    """The arguments' pytree with `diff` and `other` put back at their positions (a tensor that
+    was passed twice at each of its places)."""
     diff, other = iter(diff), iter(other)
-    full = [next(diff) if v is DIFF else next(other) if v is OTHER else v for v in self.leaves]
+    full = []
+    for v in self.leaves:
+      full.append(next(diff) if v is DIFF else next(other) if v is OTHER else
+                  full[v] if type(v) is _Same else v)
     return self.treedef.unflatten(full)
 
 

@@ -225,7 +225,9 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
 
   env = environment()
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  wrapped = [torchax.tensor.Tensor(x, env) if isinstance(x, jax.Array) else x for x in leaves]
+  tensors = {}  # one torchax tensor per array: an in-place update through one place shows in all
+  wrapped = [tensors.setdefault(id(x), torchax.tensor.Tensor(x, env))
+             if isinstance(x, jax.Array) else x for x in leaves]
   t_args, t_kwargs = treedef.unflatten(wrapped)
   prng = rng.key_from_data(jax, key_data) if key_data is not None else None
   try:

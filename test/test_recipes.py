@@ -34,8 +34,8 @@ def test_defaults_model_file_and_overrides():
                              r"dots_no_batch, minimal, minimal_offloaded"),
     ("remat.save=[query_proj,attn_scores]", r"remat.save: 'attn_scores' is not valid; choose one "
                                             r"of decoder_layer_input, query_proj, key_proj"),
-    ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of llama-3-8b, llama-tiny, "
-                    r"mixtral-8x7b, mixtral-tiny"),
+    ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of llama-3-8b, llama-mid, "
+                    r"llama-tiny, mixtral-8x7b, mixtral-tiny"),
     ("mesh.fsdp=4", r"mesh.fsdp \* mesh.tensor = 4 \* 1 = 4 devices, but this process sees 1\. "
                     r"Make the product equal the device count \(on CPU, start the process with "
                     r"CPU_NUM_DEVICES=4"),

@@ -4,7 +4,6 @@
 Pallas kernels are not partitioned by XLA's SPMD partitioner and have no gradient of their own:
 the two reasons they are called inside `shard_map` and wrapped in `custom_vjp`.
 """
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -46,15 +46,16 @@ def recipe_run(tmp_path_factory):
 
 
 class SpmdRun:
-  """test/spmd_check.py in its own process (SPMD is process-global): 4 virtual CPU devices."""
+  """A 4-device check script (test/spmd_check.py, test/shard_map_check.py) in its own process
+  (SPMD is process-global): 4 virtual CPU devices."""
 
-  def __init__(self, out):
+  def __init__(self, out, script="spmd_check.py"):
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           " --xla_force_host_platform_device_count=4").strip())
     self.stdout, self.stderr = out / "stdout.txt", out / "stderr.txt"
     with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:  # files: no pipe fills
-      self.process = subprocess.Popen([sys.executable, str(HERE / "spmd_check.py"), str(out)],
+      self.process = subprocess.Popen([sys.executable, str(HERE / script), str(out)],
                                       env=env, stdout=stdout, stderr=stderr, cwd=HERE.parent)
 
   def wait(self, timeout=600):
@@ -63,15 +64,26 @@ class SpmdRun:
     return code, self.stdout.read_text(), self.stderr.read_text()[-4000:]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def spmd_run(request, tmp_path_factory):
-  """Started before the first test when test_spmd.py's facts will be needed, so the 4-device
-  process runs on the second core while the other tests run; None otherwise."""
-  if not any("facts" in item.fixturenames for item in request.session.items):
+def _started(request, tmp_path_factory, fixture, script):
+  """The check script's run, started before the first test when a test needs `fixture` (so the
+  4-device process runs on the second core while the other tests run); None otherwise."""
+  if not any(fixture in item.fixturenames for item in request.session.items):
     yield None
     return
-  run = SpmdRun(tmp_path_factory.mktemp("spmd"))
+  run = SpmdRun(tmp_path_factory.mktemp(fixture), script)
   yield run
   if run.process.poll() is None:
     run.process.kill()
     run.process.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spmd_run(request, tmp_path_factory):
+  """test/spmd_check.py, for test_spmd.py's `facts`."""
+  yield from _started(request, tmp_path_factory, "facts", "spmd_check.py")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shard_map_run(request, tmp_path_factory):
+  """test/shard_map_check.py, for test_shard_map.py's `shard_map_facts`."""
+  yield from _started(request, tmp_path_factory, "shard_map_facts", "shard_map_check.py")

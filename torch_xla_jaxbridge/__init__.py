@@ -19,6 +19,7 @@ from torch_xla_jaxbridge import dynamo_backend as _dynamo_backend  # noqa: E402
 from torch_xla_jaxbridge import hf_models as _hf_models  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import overrides as _overrides  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import autocast as _autocast  # noqa: E402,F401  (registers itself)
+from torch_xla_jaxbridge import torch_xla_kernels as _torch_xla_kernels  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import dlpack, errors, optim, spmd  # noqa: E402
 from torch_xla_jaxbridge.bridging import BridgeModule, PureModule, assume_pure, bridge  # noqa: E402
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402

@@ -1,6 +1,7 @@
 """Shared fixtures: the XLA device, a clean `call_jax` cache per test, recipe runs shared by the
 tests that read them, and the 4-device SPMD checks started in the background at session start.
 """
+import json
 import os
 import pathlib
 import subprocess
@@ -62,6 +63,14 @@ class SpmdRun:
     """The exit code, stdout and the end of stderr."""
     code = self.process.wait(timeout)
     return code, self.stdout.read_text(), self.stderr.read_text()[-4000:]
+
+
+@pytest.fixture(scope="session")
+def facts(spmd_run):
+  """The JSON facts of the 4-device process (test_spmd.py, test_checkpoint.py)."""
+  code, stdout, stderr = spmd_run.wait()
+  assert code == 0, stderr
+  return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _started(request, tmp_path_factory, fixture, script):

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import pathlib
+import shutil
 import sys
 import traceback
 
@@ -16,6 +17,7 @@ sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).p
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import torch_xla_jaxbridge as jb  # noqa: E402
 import torch_xla  # noqa: E402
@@ -161,11 +163,27 @@ def check_bad_input(dev):
 
 
 def check_recipe(out_dir, *overrides):
-  cfg = config.load(["train.steps=3", "train.checkpoint_every=0", "mesh.fsdp=4",
+  cfg = config.load(["train.steps=3", "train.checkpoint_every=1", "mesh.fsdp=4",
                      f"out={out_dir}", *overrides])
   losses = train.train(cfg, log=lambda line: None)
   summary = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())
   return {"losses": losses, "param_shardings": summary["param_shardings"]}
+
+
+def check_recipe_resharded(out_dir):
+  """The "recipe" run's step-1 checkpoint (mesh (4, 1)) resumed on (2, 2), which saves steps 2
+  and 3: its losses, shardings and checkpoints (test_checkpoint.py resumes them on one device)."""
+  first, second = pathlib.Path(out_dir), pathlib.Path(out_dir) / "fsdp2_tensor2"
+  shutil.copytree(first / "checkpoints" / "step_000001", second / "checkpoints" / "step_000001")
+  resumed = train.train(config.load(["train.steps=3", "train.checkpoint_every=1", f"out={second}",
+                                     "mesh.fsdp=2", "mesh.tensor=2", "resume=true"]),
+                        log=lambda line: None)
+  summary = json.loads((second / "summary.json").read_text())
+  keys = lambda path: sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)  # noqa: E731
+  return {"resumed": resumed, "checkpoints": str(second / "checkpoints"),
+          "param_shardings": summary["param_shardings"],
+          "keys_fsdp4": keys(first / "checkpoints" / "step_000003"),
+          "keys_resharded": keys(second / "checkpoints" / "step_000003")}
 
 
 def main(out_dir):
@@ -190,6 +208,7 @@ def main(out_dir):
       "recipe_scan": lambda: check_recipe(pathlib.Path(out_dir) / "scan", "remat.scan_layers=true"),
       "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked",
                                              "remat.stack_layers=true"),
+      "recipe_resharded": lambda: check_recipe_resharded(out_dir),
   }
   for name, check in checks.items():
     try:

@@ -5,8 +5,6 @@ SPMD is process-global and irreversible, so the 4-device checks run once, in one
 (test/spmd_check.py, which prints its facts as JSON; conftest.py starts it before the first test,
 so it runs alongside the rest of the suite); each test asserts on its part.
 """
-import json
-
 import pytest
 import torch
 
@@ -16,14 +14,6 @@ from torch_xla_jaxbridge.recipes import sharding
 
 TOL = 1e-4
 FSDP_ROW, FSDP_COL = "{devices=[4,1]0,1,2,3}", "{devices=[1,4]0,1,2,3}"
-
-
-@pytest.fixture(scope="module")
-def facts(spmd_run):
-  """The JSON facts of the 4-device process (conftest starts it at session start)."""
-  code, stdout, stderr = spmd_run.wait()
-  assert code == 0, stderr
-  return json.loads(stdout.strip().splitlines()[-1])
 
 
 def part(facts, name):

@@ -5,6 +5,7 @@ import pathlib
 import yaml
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge.recipes import data
 from torch_xla_jaxbridge.recipes.llama import CHECKPOINT_NAMES
 from torch_xla_jaxbridge.remat import PRESETS
 
@@ -42,10 +43,20 @@ def load(overrides=()):
 
 
 def _split(override):
+  """`(key, value)` of one override. Hydra's `+key=` and `++key=` set the key (every key exists
+  here); deleting (`~key`) and config groups other than `model=` (`model/remat=`) are refused."""
+  if override.startswith("~"):
+    raise ConfigError(f"override {override!r}: deleting a key is not supported (the recipe reads "
+                      f"every key); set it instead: {override[1:].split('=')[0]}=VALUE.")
   if "=" not in override:
     raise ConfigError(f"override {override!r}: expected key=value, e.g. train.steps=10.")
   key, raw = override.split("=", 1)
-  return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+  key = key.strip().lstrip("+")
+  if "/" in key:
+    raise ConfigError(f"{key}: the only config group is model=; torchprime's model/remat presets "
+                      f"are remat.* keys here and model/sharding is mesh.* (docs/recipes.md, "
+                      f"'From torchprime').")
+  return key, yaml.safe_load(raw) if raw.strip() else ""
 
 
 def _model_file(name):
@@ -110,18 +121,61 @@ def check(cfg):
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")
   for key in ("batch", "seq", "steps"):
-    if train[key] < 1:
-      raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")
+    _at_least(f"train.{key}", train[key], 1)
+  _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
+  _positive("train.lr", train["lr"])
+  _at_least("train.weight_decay", train["weight_decay"], 0)
+  _check_data(train, model)
   _check_mesh(mesh, train)
-  if model["dim"] % model["heads"] or model["heads"] % model["kv_heads"]:
-    raise ConfigError("model.dim must divide by model.heads, and model.heads by model.kv_heads.")
+  _check_model(model)
+
+
+def _check_model(model):
+  """Positive shapes; heads that divide dim into even head sizes (rotary); kv_heads that divide
+  heads; experts_per_token at most experts."""
+  for key in ("vocab", "dim", "layers", "heads", "kv_heads", "hidden"):
+    _at_least(f"model.{key}", model[key], 1)
+  _at_least("model.experts", model["experts"], 0)
+  if model["dim"] % model["heads"] or (model["dim"] // model["heads"]) % 2:
+    raise ConfigError(f"model.heads: {model['heads']} does not divide model.dim={model['dim']} "
+                      f"into heads of even size (rotary embeddings rotate pairs); choose heads "
+                      f"with dim / heads even.")
+  if model["heads"] % model["kv_heads"]:
+    raise ConfigError(f"model.kv_heads: {model['kv_heads']} does not divide model.heads="
+                      f"{model['heads']}; choose a divisor of {model['heads']}.")
+  if model["experts"] and not 1 <= model["experts_per_token"] <= model["experts"]:
+    raise ConfigError(f"model.experts_per_token: {model['experts_per_token']} is not between 1 "
+                      f"and model.experts={model['experts']}.")
+
+
+def _check_data(train, model):
+  """The shipped corpus holds windows of at most its length - 2 tokens, byte tokens < 256."""
+  if train["data"] != "corpus":
+    return
+  length = data.CORPUS.stat().st_size  # one token a byte
+  if train["seq"] > length - 2:
+    raise ConfigError(f"train.seq: {train['seq']} is longer than the corpus allows (it has "
+                      f"{length} tokens: train.seq at most {length - 2}); use a shorter seq or "
+                      f"train.data=synthetic.")
+  if model["vocab"] < 256:
+    raise ConfigError(f"model.vocab: {model['vocab']} is too small for train.data=corpus (byte "
+                      f"tokens 0..255): use at least 256, or train.data=synthetic.")
+
+
+def _at_least(key, value, low):
+  if value < low:
+    raise ConfigError(f"{key}: must be at least {low}, got {value}.")
+
+
+def _positive(key, value):
+  if not value > 0:  # also refuses nan
+    raise ConfigError(f"{key}: must be greater than 0, got {value}.")
 
 
 def _check_mesh(mesh, train):
   """A mesh over more than one device must match the device count and divide the batch."""
   for key in ("fsdp", "tensor"):
-    if mesh[key] < 1:
-      raise ConfigError(f"mesh.{key}: must be at least 1, got {mesh[key]}.")
+    _at_least(f"mesh.{key}", mesh[key], 1)
   size = mesh["fsdp"] * mesh["tensor"]
   if size == 1:
     return

@@ -16,7 +16,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from torch_xla_jaxbridge import _compat
-from torch_xla_jaxbridge.recipes import config, data, llama, sharding
+from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, sharding
 
 
 def prepare(cfg, device):
@@ -40,28 +40,19 @@ def prepare(cfg, device):
   return model
 
 
-def _latest_checkpoint(out):
-  found = sorted((out / "checkpoints").glob("step_*.pt"))
-  return found[-1] if found else None
-
-
-def _save(path, model, optimizer, step):
-  path.parent.mkdir(parents=True, exist_ok=True)
-  to_cpu = lambda tree: torch.utils._pytree.tree_map_only(  # noqa: E731
-      torch.Tensor, lambda t: t.detach().cpu(), tree)
-  torch.save({"step": step, "model": to_cpu(model.state_dict()),
-              "optimizer": to_cpu(optimizer.state_dict())}, path)
-
-
-def _resume(path, model, optimizer, device):
-  saved = torch.load(path, weights_only=True)
-  model.load_state_dict(saved["model"])
-  optimizer.load_state_dict(saved["optimizer"])
-  for state in optimizer.state.values():  # moments to the device; AdamW keeps `step` on the CPU
-    for key, value in state.items():
-      if key != "step" and isinstance(value, torch.Tensor):
-        state[key] = value.to(device)
-  return saved["step"]
+def _keep_metrics_until(path, step):
+  """Drops the rows of `metrics.jsonl` after `step` (a run killed after its last checkpoint
+  wrote them; the resumed run writes them again) and a last line cut short by the kill."""
+  if not path.exists():
+    return
+  rows = []
+  for line in path.read_text().splitlines():
+    try:
+      if json.loads(line)["step"] <= step:
+        rows.append(line + "\n")
+    except (json.JSONDecodeError, KeyError):
+      pass
+  path.write_text("".join(rows))
 
 
 def train(cfg, *, log=print):
@@ -78,13 +69,14 @@ def train(cfg, *, log=print):
   t = cfg["train"]
   optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
   start = 0
-  checkpoint = _latest_checkpoint(out) if cfg["resume"] else None
-  if checkpoint is not None:
-    start = _resume(checkpoint, model, optimizer, device)
-    log(f"resumed from {checkpoint} at step {start}")
+  found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
+  if found is not None:
+    start = checkpoint.load(found, model, optimizer)
+    _keep_metrics_until(out / "metrics.jsonl", start)
+    log(f"resumed from {found} at step {start}")
   compiles_before = (met.metric_data("CompileTime") or (0,))[0]
   losses = []
-  with open(out / "metrics.jsonl", "a" if checkpoint else "w") as metrics:
+  with open(out / "metrics.jsonl", "a" if found else "w") as metrics:
     for step in range(start, t["steps"]):
       began = time.perf_counter()
       inputs, targets = data.batch(step, batch=t["batch"], seq=t["seq"], seed=t["seed"],
@@ -109,7 +101,8 @@ def train(cfg, *, log=print):
       log(_progress(row, t["steps"]))
       every = t["checkpoint_every"]
       if every and (step + 1) % every == 0:
-        _save(out / "checkpoints" / f"step_{step + 1:06d}.pt", model, optimizer, step + 1)
+        metrics.flush()  # the rows up to a checkpoint are on disk before it
+        checkpoint.save(out / "checkpoints", step + 1, model, optimizer)
   _summary(cfg, out, losses, compiles_before, log, model if mesh is not None else None)
   return losses
 

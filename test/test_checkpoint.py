@@ -1,0 +1,172 @@
+"""Recipe checkpoints: exact restore of model, optimizer and random state; torn checkpoints
+skipped with a warning naming them; a training process killed while saving resumes on the same
+loss curve; a checkpoint saved on one mesh resumes on another and on one device."""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch_xla
+
+from torch_xla_jaxbridge.recipes import checkpoint, config, train
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def make(seed, dev):
+  torch.manual_seed(seed)
+  model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+  model = model.to(dev)
+  return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+
+
+def step(model, optimizer, x):
+  model(x).pow(2).mean().backward()
+  optimizer.step()
+  optimizer.zero_grad()
+  torch_xla.sync()
+
+
+def cpu_state(module_or_optimizer):
+  return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu().clone(),
+                                           module_or_optimizer.state_dict())
+
+
+def assert_same(a, b):
+  flat_a, spec_a = torch.utils._pytree.tree_flatten(a)
+  flat_b, spec_b = torch.utils._pytree.tree_flatten(b)
+  assert spec_a == spec_b
+  for x, y in zip(flat_a, flat_b):
+    assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_load_restores_model_optimizer_and_random_state(tmp_path, dev):
+  x = torch.randn(4, 6).to(dev)
+  model, optimizer = make(0, dev)
+  step(model, optimizer, x)
+  step(model, optimizer, x)
+  path = checkpoint.save(tmp_path, 2, model, optimizer)
+  saved_model, saved_optimizer = cpu_state(model), cpu_state(optimizer)
+  draws = torch.rand(3), torch.rand(3, device=dev).cpu()
+  step(model, optimizer, x)
+  model_, optimizer_ = make(1, dev)  # another init, no optimizer state yet
+  assert checkpoint.load(path, model_, optimizer_) == 2
+  assert_same(cpu_state(model_), saved_model)
+  assert_same(cpu_state(optimizer_), saved_optimizer)
+  state = optimizer_.state[next(iter(model_.parameters()))]
+  assert state["step"].device.type == "cpu" and state["exp_avg"].device.type == "xla"
+  assert torch.equal(torch.rand(3), draws[0])
+  assert torch.equal(torch.rand(3, device=dev).cpu(), draws[1])
+  step(model_, optimizer_, x)
+  assert_same(cpu_state(model_), cpu_state(model))
+
+
+def damage_data(path):
+  data = next(path.glob("*.distcp"))
+  data.write_bytes(data.read_bytes()[:100])
+  return f"data file {data.name} is truncated (100 of "
+
+
+def remove_data(path):
+  data = next(path.glob("*.distcp"))
+  data.unlink()
+  return f"data file {data.name} is missing"
+
+
+def damage_metadata(path):
+  metadata = path / ".metadata"
+  metadata.write_bytes(metadata.read_bytes()[:50])
+  return "unreadable .metadata ("
+
+
+def remove_metadata(path):
+  (path / ".metadata").unlink()
+  return "no .metadata file (the save did not finish)"
+
+
+@pytest.mark.parametrize("damage", [damage_data, remove_data, damage_metadata, remove_metadata])
+def test_torn_checkpoints_are_skipped_with_a_warning_naming_them(tmp_path, dev, damage):
+  x = torch.randn(4, 6).to(dev)
+  model, optimizer = make(0, dev)
+  step(model, optimizer, x)
+  checkpoint.save(tmp_path, 1, model, optimizer)
+  at_one = cpu_state(model)
+  step(model, optimizer, x)
+  reason = damage(checkpoint.save(tmp_path, 2, model, optimizer))
+  (tmp_path / "step_000003.partial").mkdir()  # killed while saving step 3
+  with pytest.warns(checkpoint.TornCheckpointWarning) as caught:
+    found = checkpoint.latest(tmp_path)
+  assert found == tmp_path / "step_000001"
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 2
+  assert messages[0].startswith(f"skipping torn checkpoint {tmp_path / 'step_000003.partial'}: "
+                                f"a save that did not finish")
+  assert messages[1].startswith(f"skipping torn checkpoint {tmp_path / 'step_000002'}: {reason}")
+  model_, optimizer_ = make(1, dev)
+  assert checkpoint.load(found, model_, optimizer_) == 1
+  assert_same(cpu_state(model_), at_one)
+  checkpoint.save(tmp_path, 2, model, optimizer)  # a new save of the torn step replaces it
+  with pytest.warns(checkpoint.TornCheckpointWarning, match="step_000003.partial"):
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_000002"
+
+
+def metrics_losses(out):
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return [row["step"] for row in rows], [row["loss"] for row in rows]
+
+
+def test_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path, recipe_run):
+  """The proof of item 5: SIGKILL after step 3's shards are on disk, before its metadata."""
+  out, signal_file = tmp_path / "run", tmp_path / "saving"
+  overrides = ["train.steps=3", "train.checkpoint_every=1", f"out={out}"]
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU",
+             **{checkpoint.PAUSE_ENV: f"3:{signal_file}"})
+  with open(tmp_path / "stderr.txt", "w") as stderr:
+    process = subprocess.Popen([sys.executable, "-m", "torch_xla_jaxbridge.recipes.train",
+                                *overrides], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+  try:
+    while not signal_file.exists():
+      assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+      time.sleep(0.2)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait(60) == -signal.SIGKILL
+  finally:
+    if process.poll() is None:
+      process.kill()
+  partial = out / "checkpoints" / "step_000003.partial"
+  assert list(partial.glob("*.distcp")) and not (partial / ".metadata").exists()
+  lines = []
+  with pytest.warns(checkpoint.TornCheckpointWarning, match=f"torn checkpoint {partial}: a save "
+                                                            f"that did not finish"):
+    resumed = train.train(config.load([*overrides, "resume=true"]), log=lines.append)
+  assert lines[0] == f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2"
+  uninterrupted = recipe_run()[0]  # the same 3 steps, never saved, in this process
+  steps, losses = metrics_losses(out)
+  assert steps == [1, 2, 3] and len(resumed) == 1
+  assert losses == pytest.approx(uninterrupted, rel=1e-6)
+  assert checkpoint.latest(out / "checkpoints") == out / "checkpoints" / "step_000003"
+  assert not partial.exists()
+
+
+def test_resume_onto_another_mesh_and_one_device(facts, recipe_run, tmp_path):
+  """(4, 1) saves (test_spmd.py's recipe run), (2, 2) resumes from step 1 and saves, one device
+  resumes from step 2: each next loss is the uninterrupted one-device run's."""
+  found = facts["recipe_resharded"]
+  assert "error" not in found, found.get("error")
+  uninterrupted = recipe_run()[0]
+  assert found["resumed"] == pytest.approx(uninterrupted[1:], rel=1e-4)
+  assert "{devices=[2,2]0,1,2,3}" in found["param_shardings"].values()
+  # every entry saved from (2, 2) too: partially replicated norm weights included
+  assert found["keys_resharded"] == found["keys_fsdp4"]
+  assert len([k for k in found["keys_fsdp4"] if k.startswith("model.")]) == 39
+  shutil.copytree(pathlib.Path(found["checkpoints"]) / "step_000002",
+                  tmp_path / "checkpoints" / "step_000002")
+  last = train.train(config.load(["train.steps=3", "train.checkpoint_every=0", "resume=true",
+                                  f"out={tmp_path}"]), log=lambda line: None)
+  assert last == pytest.approx(uninterrupted[2:], rel=1e-4)

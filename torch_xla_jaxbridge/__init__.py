@@ -20,7 +20,7 @@ from torch_xla_jaxbridge import hf_models as _hf_models  # noqa: E402,F401  (reg
 from torch_xla_jaxbridge import overrides as _overrides  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import autocast as _autocast  # noqa: E402,F401  (registers itself)
 from torch_xla_jaxbridge import torch_xla_kernels as _torch_xla_kernels  # noqa: E402,F401  (registers itself)
-from torch_xla_jaxbridge import dlpack, errors, optim, spmd  # noqa: E402
+from torch_xla_jaxbridge import dlpack, errors, flash_attention, optim, spmd  # noqa: E402
 from torch_xla_jaxbridge.bridging import BridgeModule, PureModule, assume_pure, bridge  # noqa: E402
 from torch_xla_jaxbridge.call import call_jax  # noqa: E402
 from torch_xla_jaxbridge.control_flow import fori_loop  # noqa: E402
@@ -30,11 +30,12 @@ from torch_xla_jaxbridge.lowering import CacheInfo, cache_info, clear_cache  # n
 from torch_xla_jaxbridge.remat import Remat, checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge.inspection import lower_bridged, saved_residuals  # noqa: E402
 from torch_xla_jaxbridge.memory import MemoryReport, memory_report  # noqa: E402
+from torch_xla_jaxbridge.overrides import override_ops  # noqa: E402
 from torch_xla_jaxbridge.scan import StackedLayers, scan_layers  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged", "memory_report", "MemoryReport",
            "scan_layers", "StackedLayers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
-           "jax_op", "optim", "spmd"]
+           "jax_op", "optim", "spmd", "override_ops", "flash_attention"]
 
 _dynamo_backend.register()

@@ -4,12 +4,13 @@
 randomness drawn from a key passed in, and in-place updates of arguments reported so the caller
 can write them back. Features plug in without this module knowing them:
 
-- `register_op_override(op, impl)`: bridged code runs `impl` for a torch op (performance
-  overrides, `jax_op`).
+- `register_op_override(op, impl)`: bridged code runs `impl` for a torch op, always (performance
+  overrides, `jax_op`; the user's scoped `override_ops` is a trace context and a trace key).
 - `register_trace_context(factory)`: a context entered around every traced torch call (control
   flow, torch's checkpoint as `jax.checkpoint`, `xs.mark_sharding` on traced tensors).
 - `register_trace_key(name, read)`: state outside the arguments that decides what traced code
-  computes (the autocast state), part of every bridged call's trace-cache key.
+  computes (the autocast state, the active `override_ops`), part of every bridged call's
+  trace-cache key.
 
 This module imports no feature module; features import it and register themselves.
 """

@@ -6,7 +6,7 @@ import yaml
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge.recipes import data
-from torch_xla_jaxbridge.recipes.llama import CHECKPOINT_NAMES
+from torch_xla_jaxbridge.recipes.llama import ATTENTION, CHECKPOINT_NAMES
 from torch_xla_jaxbridge.remat import PRESETS
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
@@ -104,6 +104,12 @@ def check(cfg):
   _choice("train.data", train["data"], ("corpus", "synthetic"))
   _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
   _choice("remat.bridge", remat["bridge"], ("layers", "none"))
+  _choice("model.attention", model["attention"], tuple(ATTENTION))
+  if model["attention"] != "reference" and remat["bridge"] == "none":
+    raise ConfigError(f"model.attention={model['attention']} replaces attention inside bridged "
+                      f"layers, and remat.bridge=none runs plain LazyTensor layers, which would "
+                      f"keep the reference attention; use remat.bridge=layers or "
+                      f"model.attention=reference.")
   if remat["policy"] is not None:
     _choice("remat.policy", remat["policy"], PRESETS)
   for field in ("save", "offload"):

@@ -4,15 +4,23 @@ Mixtral-style variant whose MLP is a top-k mixture of experts.
 The standard tensors carry `checkpoint_name` marks with MaxText's names, so every remat preset
 applies: `decoder_layer_input`, `query_proj`, `key_proj`, `value_proj`, `out_proj`, `mlpwi`,
 `mlpwo`. Outside bridged code the marks are the identity.
+
+Attention is `F.scaled_dot_product_attention`; `attention="flash"` runs it as the Pallas flash
+kernel in the bridged layers (`jb.override_ops`, `ATTENTION`).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_xla_jaxbridge import errors, flash_attention
+from torch_xla_jaxbridge.overrides import override_ops
 from torch_xla_jaxbridge.remat import checkpoint_name
 
 CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj",
                     "mlpwi", "mlpwo")
+# the op overrides each `model.attention` value applies to the decoder stack
+ATTENTION = {"reference": {},
+             "flash": {F.scaled_dot_product_attention: flash_attention.sdpa}}
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +122,9 @@ class Llama(nn.Module):
 
   Set `scan_remat` to a `remat=` value (or `use_scan = True`) to run the stack as one
   `jb.scan_layers` call; `layers` may also be replaced by a module taking `(h, positions)`, such
-  as `jb.StackedLayers(model.layers)`.
+  as `jb.StackedLayers(model.layers)`. `attention="flash"` runs the stack under
+  `ATTENTION["flash"]`: bridged layers (`BridgeModule`, `scan_layers`, `StackedLayers`) compute
+  attention with the flash kernel; plain LazyTensor layers are not bridged and keep torch's.
 
   Example:
     >>> model = Llama(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64)
@@ -123,8 +133,12 @@ class Llama(nn.Module):
   """
 
   def __init__(self, vocab=256, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, experts=0,
-               top_k=2):
+               top_k=2, attention="reference"):
     super().__init__()
+    if attention not in ATTENTION:
+      raise errors.BadArgumentError(
+          f"Llama: attention={attention!r}; choose one of {', '.join(ATTENTION)}.")
+    self.attention = attention
     self.embed = nn.Embedding(vocab, dim)
     self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden, experts, top_k)
                                 for _ in range(layers))
@@ -136,15 +150,16 @@ class Llama(nn.Module):
   def forward(self, tokens):
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     h = self.embed(tokens)
-    if self.use_scan:
-      from torch_xla_jaxbridge.scan import scan_layers
+    with override_ops(ATTENTION[self.attention]):
+      if self.use_scan:
+        from torch_xla_jaxbridge.scan import scan_layers
 
-      h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
-    elif isinstance(self.layers, nn.ModuleList):
-      for layer in self.layers:
-        h = layer(h, positions)
-    else:
-      h = self.layers(h, positions)
+        h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
+      elif isinstance(self.layers, nn.ModuleList):
+        for layer in self.layers:
+          h = layer(h, positions)
+      else:
+        h = self.layers(h, positions)
     return self.lm_head(self.norm(h))
 
 
@@ -158,4 +173,4 @@ def build(model_cfg):
   return Llama(vocab=model_cfg["vocab"], dim=model_cfg["dim"], layers=model_cfg["layers"],
                heads=model_cfg["heads"], kv_heads=model_cfg["kv_heads"],
                hidden=model_cfg["hidden"], experts=model_cfg["experts"],
-               top_k=model_cfg["experts_per_token"])
+               top_k=model_cfg["experts_per_token"], attention=model_cfg["attention"])

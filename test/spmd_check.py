@@ -170,6 +170,24 @@ def check_recipe(out_dir, *overrides):
   return {"losses": losses, "param_shardings": summary["param_shardings"]}
 
 
+def check_recipe_flash(out_dir):
+  """The recipe with flash attention on a (2, 2) mesh: its losses, and the manual-sharding region
+  (the kernel runs per device in shard_map) in the HLO of one step's loss and gradients."""
+  found = check_recipe(out_dir, "mesh.fsdp=2", "mesh.tensor=2", "model.attention=flash",
+                       "train.checkpoint_every=0")
+  cfg = config.load(["mesh.fsdp=2", "mesh.tensor=2", "model.attention=flash", "train.batch=4",
+                     "train.seq=16"])
+  model = train.prepare(cfg, torch_xla.device())
+  tokens = sharding.shard_batch(torch.zeros(4, 16, dtype=torch.long, device="xla"),
+                                sharding.make_mesh(2, 2))
+  loss = model(tokens).sum()
+  loss.backward()
+  hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in model.parameters()])
+  torch_xla.sync()
+  return {**found, "full_to_shard": hlo.count("SPMDFullToShardShape"),
+          "shard_to_full": hlo.count("SPMDShardToFullShape")}
+
+
 def check_recipe_resharded(out_dir):
   """The "recipe" run's step-1 checkpoint (mesh (4, 1)) resumed on (2, 2), which saves steps 2
   and 3: its losses, shardings and checkpoints (test_checkpoint.py resumes them on one device)."""
@@ -209,6 +227,7 @@ def main(out_dir):
       "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked",
                                              "remat.stack_layers=true"),
       "recipe_resharded": lambda: check_recipe_resharded(out_dir),
+      "recipe_flash": lambda: check_recipe_flash(pathlib.Path(out_dir) / "flash"),
   }
   for name, check in checks.items():
     try:

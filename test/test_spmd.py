@@ -128,6 +128,14 @@ def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, recipe_
   assert all(s != "{replicated}" for s in found["param_shardings"].values())
 
 
+def test_recipe_with_flash_on_fsdp2_tensor2_matches_the_one_device_run(facts, recipe_run):
+  one_device, _ = recipe_run("model.attention=flash")  # also test_flash_attention.py's run
+  found = part(facts, "recipe_flash")
+  assert found["losses"] == pytest.approx(one_device, rel=TOL)
+  # the kernel runs per device: each layer's forward and backward enter and leave manual sharding
+  assert found["full_to_shard"] > 0 and found["shard_to_full"] > 0
+
+
 def test_recipe_fsdp4_with_stacked_layers_matches_the_one_device_run(facts, one_device):
   found = part(facts, "recipe_stacked")
   assert found["losses"] == pytest.approx(one_device, rel=TOL)

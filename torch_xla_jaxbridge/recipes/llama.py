@@ -139,6 +139,7 @@ class Llama(nn.Module):
       raise errors.BadArgumentError(
           f"Llama: attention={attention!r}; choose one of {', '.join(ATTENTION)}.")
     self.attention = attention
+    self.overrides = ATTENTION[attention]  # the ops the stack runs under (sharding.py may replace)
     self.embed = nn.Embedding(vocab, dim)
     self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden, experts, top_k)
                                 for _ in range(layers))
@@ -150,7 +151,7 @@ class Llama(nn.Module):
   def forward(self, tokens):
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     h = self.embed(tokens)
-    with override_ops(ATTENTION[self.attention]):
+    with override_ops(self.overrides):
       if self.use_scan:
         from torch_xla_jaxbridge.scan import scan_layers
 

@@ -8,6 +8,7 @@ bridged layers need nothing more: the shardings flow through their calls.
 import functools
 
 import numpy as np
+import torch.nn.functional as F
 
 import torch_xla_jaxbridge as jb
 
@@ -107,3 +108,32 @@ def shard_batch(tensor, mesh):
 
   xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
   return tensor
+
+
+@functools.cache
+def attention_overrides(attention, fsdp, tensor, kv_heads):
+  """The op overrides of `model.attention` on an `(fsdp, tensor)` mesh. The flash kernel runs
+  per device inside `jb.spmd.shard_map` (a Pallas kernel is not partitioned by GSPMD): batch over
+  `fsdp`, heads over `tensor` when the key/value heads divide evenly (each device then holds
+  whole query groups), else replicated over `tensor`. Cached, so every step has the same
+  overrides (they are part of the trace key).
+
+  Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
+    >>> model.overrides = attention_overrides("flash", 2, 2, 2)  # doctest: +SKIP
+  """
+  from torch_xla_jaxbridge.recipes.llama import ATTENTION
+
+  if attention != "flash":
+    return ATTENTION[attention]
+  mesh = make_mesh(fsdp, tensor)
+  spec = ("fsdp", "tensor" if kv_heads % tensor == 0 else None, None, None)
+
+  def sharded_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    def per_device(q, k, v):
+      return jb.flash_attention.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # interpret-mode kernels fail JAX's varying-axes check inside shard_map (docs/kernels.md)
+    return jb.spmd.shard_map(per_device, (spec,) * 3, spec, mesh, check_vma=False)(
+        query, key, value)
+
+  return {F.scaled_dot_product_attention: sharded_sdpa}

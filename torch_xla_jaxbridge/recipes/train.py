@@ -33,6 +33,8 @@ def prepare(cfg, device):
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
   if mesh is not None:
     sharding.shard_model(model, mesh)
+    model.overrides = sharding.attention_overrides(cfg["model"]["attention"], *mesh.mesh_shape,
+                                                   cfg["model"]["kv_heads"])
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
   elif cfg["remat"]["bridge"] == "layers" and not cfg["remat"]["stack_layers"]:

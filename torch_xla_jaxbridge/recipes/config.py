@@ -109,7 +109,7 @@ def check(cfg):
   if remat["scan_layers"] and remat["stack_layers"]:
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")
-  for key in ("batch", "seq", "steps"):
+  for key in ("batch", "seq", "steps", "log_every"):
     if train[key] < 1:
       raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")
   _check_mesh(mesh, train)

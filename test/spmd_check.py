@@ -178,8 +178,8 @@ def check_recipe_flash(out_dir):
   cfg = config.load(["mesh.fsdp=2", "mesh.tensor=2", "model.attention=flash", "train.batch=4",
                      "train.seq=16"])
   model = train.prepare(cfg, torch_xla.device())
-  tokens = sharding.shard_batch(torch.zeros(4, 16, dtype=torch.long, device="xla"),
-                                sharding.make_mesh(2, 2))
+  tokens = torch.zeros(4, 16, dtype=torch.long, device="xla")
+  xs.mark_sharding(tokens, sharding.make_mesh(2, 2), ("fsdp", None))
   loss = model(tokens).sum()
   loss.backward()
   hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in model.parameters()])

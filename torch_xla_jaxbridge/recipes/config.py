@@ -126,7 +126,7 @@ def check(cfg):
   if remat["scan_layers"] and remat["stack_layers"]:
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")
-  for key in ("batch", "seq", "steps"):
+  for key in ("batch", "seq", "steps", "log_every"):
     _at_least(f"train.{key}", train[key], 1)
   _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
   _positive("train.lr", train["lr"])

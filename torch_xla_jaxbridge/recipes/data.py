@@ -35,3 +35,27 @@ def batch(step, *, batch, seq, seed, source, vocab):
     starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=generator)
     windows = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
   return windows[:, :-1], windows[:, 1:]
+
+
+class Batches:
+  """The batches of steps `start` .. `stop - 1`, in order, as an iterable of known length: what a
+  `DataLoader`-style reader such as torch_xla's `MpDeviceLoader` consumes. Each pass starts again
+  at `start`.
+
+  Example:
+    >>> batches = Batches(3, 5, batch=2, seq=8, seed=0, source="corpus", vocab=256)
+    >>> len(batches), [tuple(x.shape) for x, y in batches]
+    (2, [(2, 8), (2, 8)])
+    >>> torch.equal(next(iter(batches))[0], batch(3, batch=2, seq=8, seed=0, source="corpus",
+    ...                                            vocab=256)[0])
+    True
+  """
+
+  def __init__(self, start: int, stop: int, **options):
+    self.start, self.stop, self.options = start, stop, options
+
+  def __len__(self) -> int:
+    return max(0, self.stop - self.start)
+
+  def __iter__(self):
+    return (batch(step, **self.options) for step in range(self.start, self.stop))

@@ -98,16 +98,21 @@ def shard_model(model, mesh):
   return specs
 
 
-def shard_batch(tensor, mesh):
-  """Splits a `(batch, ...)` tensor's batch over `fsdp` (replicated over `tensor`); returns it.
+def batch_sharding(mesh):
+  """The layout of a `(batch, seq)` input: batch split over `fsdp`, replicated over `tensor`; a
+  `ShardingSpec` for `MpDeviceLoader(..., input_sharding=...)`, which places each batch sharded as
+  it moves it to the device. None without a mesh.
 
   Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
-    >>> tokens = shard_batch(tokens.to("xla"), make_mesh(4, 1))  # doctest: +SKIP
+    >>> spec = batch_sharding(make_mesh(4, 1))  # doctest: +SKIP
+    >>> batch_sharding(None) is None
+    True
   """
+  if mesh is None:
+    return None
   import torch_xla.distributed.spmd as xs
 
-  xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
-  return tensor
+  return xs.ShardingSpec(mesh, ("fsdp", None))
 
 
 @functools.cache

@@ -2,21 +2,29 @@
 
 Builds the configured model on `torch_xla.device()` (with `mesh.fsdp * mesh.tensor > 1`: SPMD,
 parameters and batches sharded over the mesh), bridges or scans its decoder layers with the
-configured remat policy, trains with AdamW, one `torch_xla.sync()` per step; prints a progress
-line per step, writes per-step metrics and a summary, saves checkpoints and resumes from them.
+configured remat policy, trains with AdamW, one `torch_xla.sync()` per step (in the input loader,
+torch_xla's `MpDeviceLoader`), without waiting for the device: losses are read by asynchronous
+step closures every `train.log_every` steps, so the host traces a step while the previous one
+runs. Writes per-step metrics (`recipes.metrics`), progress lines with an ETA and a summary;
+saves checkpoints and resumes from them.
 """
 import json
 import pathlib
+import statistics
 import sys
+import threading
 import time
 
 import torch_xla_jaxbridge as jb
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.runtime as xr
 
 from torch_xla_jaxbridge import _compat
-from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, sharding
+from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, metrics, sharding
 
 
 def prepare(cfg, device):
@@ -76,61 +84,173 @@ def train(cfg, *, log=print):
     start = checkpoint.load(found, model, optimizer)
     _keep_metrics_until(out / "metrics.jsonl", start)
     log(f"resumed from {found} at step {start}")
-  compiles_before = (met.metric_data("CompileTime") or (0,))[0]
-  losses = []
-  with open(out / "metrics.jsonl", "a" if found else "w") as metrics:
-    for step in range(start, t["steps"]):
+  peak, said = metrics.peak_flops(metrics.device_kind(), cfg["model"].get("dtype", "float32"),
+                                  xr.global_runtime_device_count())
+  log(said)
+  before = (met.metric_data("CompileTime") or (0,))[0], _graphs()
+  batches = data.Batches(start, t["steps"], batch=t["batch"], seq=t["seq"], seed=t["seed"],
+                         source=t["data"], vocab=cfg["model"]["vocab"])
+  loader = pl.MpDeviceLoader(batches, device, input_sharding=sharding.batch_sharding(mesh))
+  with metrics.MetricsLog(out, append=found is not None) as sink:
+    reads = _Readback(cfg, sink, peak, log)
+    # The loader's next() calls torch_xla.sync(): a step runs while the next one is traced.
+    for step, (inputs, targets) in enumerate(loader, start + 1):
       began = time.perf_counter()
-      inputs, targets = data.batch(step, batch=t["batch"], seq=t["seq"], seed=t["seed"],
-                                   source=t["data"], vocab=cfg["model"]["vocab"])
-      inputs, targets = inputs.to(device), targets.to(device)
-      if mesh is not None:
-        inputs, targets = sharding.shard_batch(inputs, mesh), sharding.shard_batch(targets, mesh)
       logits = model(inputs)
       loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
       loss.backward()
       optimizer.step()
       optimizer.zero_grad()
-      traced = time.perf_counter()
-      torch_xla.sync()
-      value = loss.item()
-      done = time.perf_counter()
-      losses.append(value)
-      row = {"step": step + 1, "loss": value, "step_ms": (done - began) * 1e3,
-             "trace_ms": (traced - began) * 1e3,
-             "tokens_per_s": t["batch"] * t["seq"] / (done - began)}
-      metrics.write(json.dumps(row) + "\n")
-      log(_progress(row, t["steps"]))
+      reads.add(step, began, loss, getattr(optimizer, "grad_norm", None),
+                optimizer.param_groups[0]["lr"])
+      if t["sync_each_step"]:
+        torch_xla.sync()
+        loss.item()  # the host waits for the device
       every = t["checkpoint_every"]
-      if every and (step + 1) % every == 0:
-        metrics.flush()  # the rows up to a checkpoint are on disk before it
-        checkpoint.save(out / "checkpoints", step + 1, model, optimizer)
-  _summary(cfg, out, losses, compiles_before, log, model if mesh is not None else None)
-  return losses
+      if every and step % every == 0:
+        reads.drain()  # the rows up to a checkpoint are on disk before it
+        checkpoint.save(out / "checkpoints", step, model, optimizer)
+    reads.finish()
+  _summary(cfg, out, reads, before, log, model if mesh is not None else None)
+  return [row["loss"] for row in reads.rows]
+
+
+class _Readback:
+  """Each step's loss (and the optimizer's `grad_norm` and lr, when it has them) read without
+  making the host wait: the tensors of `train.log_every` steps are kept, then read together by one
+  asynchronous step closure (it runs on torch_xla's closure thread once they are computed), which
+  writes their metrics rows and a progress line."""
+
+  def __init__(self, cfg, sink, peak, log):
+    t = cfg["train"]
+    self.every, self.steps, self.sink, self.peak, self.log = (t["log_every"], t["steps"], sink,
+                                                              peak, log)
+    self.tokens, self.flops = t["batch"] * t["seq"], metrics.flops_per_token(cfg["model"], t["seq"])
+    self.window, self.rows, self.queued, self.error = [], [], 0, None
+    self.idle = threading.Condition()
+    self.origin = self.last_done = time.perf_counter()
+
+  def add(self, step, began, loss, grad_norm, lr):
+    """Keeps step `step`'s values (a copy in this step's graph of those an optimizer may update in
+    place) and, every `log_every` steps and at the last, queues the closure that reads them."""
+    snapshot = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    self.window.append({"step": step, "began": began, "traced": time.perf_counter(),
+                        "values": {"loss": loss.detach(), "grad_norm": snapshot(grad_norm),
+                                   "lr": snapshot(lr)}})
+    if step % self.every == 0 or step == self.steps:
+      self._queue()
+
+  def _queue(self):
+    with self.idle:
+      self.queued += 1
+    xm.add_step_closure(self._read, (self.window,), run_async=True)
+    self.window = []
+
+  def drain(self):
+    """Reads the steps kept so far now, and waits until their rows are written."""
+    if self.window:
+      self._queue()
+    torch_xla.sync()  # step closures run after the graph of the next sync
+    self.finish()
+
+  def finish(self):
+    """Waits for the device and for every queued read; raises what a read raised."""
+    xm.wait_device_ops()
+    with self.idle:
+      self.idle.wait_for(lambda: self.queued == 0)
+    if self.error is not None:
+      raise self.error
+
+  def _read(self, window):
+    try:
+      self._write(window)
+    except BaseException as e:  # raised again on the training thread by finish()
+      self.error = self.error or e
+    finally:
+      with self.idle:
+        self.queued -= 1
+        self.idle.notify_all()
+
+  def _write(self, window):
+    values = [{k: v.item() if isinstance(v, torch.Tensor) else float(v)
+               for k, v in entry["values"].items() if v is not None} for entry in window]
+    done = time.perf_counter()  # the window's last step has run (its loss reached the host)
+    step_s = (done - self.last_done) / len(window)
+    self.last_done = done
+    rows = [{"step": entry["step"], **value, "step_ms": step_s * 1e3,
+             "trace_ms": (entry["traced"] - entry["began"]) * 1e3,
+             "tokens_per_s": self.tokens / step_s,
+             "began_s": entry["began"] - self.origin, "traced_s": entry["traced"] - self.origin}
+            for entry, value in zip(window, values)]
+    rows[-1]["done_s"] = done - self.origin
+    for row in rows:
+      if self.peak is not None:
+        row["mfu"] = metrics.mfu(self.flops, row["tokens_per_s"], self.peak)
+      self.sink.write(row)
+    self.rows.extend(rows)
+    self.log(_progress(rows[-1], self.steps))
+
+
+def _graphs():
+  """XLA programs run so far: each sync with pending work looks its graph up once."""
+  return (met.counter_value("CachedCompile") or 0) + (met.counter_value("UncachedCompile") or 0)
 
 
 def _progress(row, steps):
   filled = int(20 * row["step"] / steps)
   bar = "#" * filled + "." * (20 - filled)
-  return (f"[{bar}] step {row['step']:>4}/{steps}  loss {row['loss']:.4f}  "
+  extra = "".join(f"  {name} {row[key]:{form}}" for key, name, form in (
+      ("grad_norm", "grad norm", ".3f"), ("lr", "lr", ".2e"), ("mfu", "MFU", ".2%")) if key in row)
+  eta = _duration((steps - row["step"]) * row["step_ms"] / 1e3)
+  return (f"[{bar}] step {row['step']:>4}/{steps}  loss {row['loss']:.4f}{extra}  "
           f"{row['tokens_per_s']:>8.0f} tok/s  step {row['step_ms']:7.1f} ms  "
-          f"trace {row['trace_ms']:6.1f} ms")
+          f"trace {row['trace_ms']:6.1f} ms  ETA {eta}")
 
 
-def _summary(cfg, out, losses, compiles_before, log, sharded_model=None):
-  m = cfg["model"]
+def _duration(seconds):
+  minutes, seconds = divmod(round(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def _overlaps_ms(rows):
+  """Per step N whose device finish is known: how long the host traced step N + 1 before step N
+  had finished (0 when the host waited for it)."""
+  following = {row["step"] - 1: row for row in rows}
+  return [max(0.0, min(following[r["step"]]["traced_s"], r["done_s"]) -
+              following[r["step"]]["began_s"]) * 1e3
+          for r in rows if "done_s" in r and r["step"] in following]
+
+
+def _summary(cfg, out, reads, before, log, sharded_model=None):
+  m, rows = cfg["model"], reads.rows
   layer = llama.DecoderLayer(m["dim"], m["heads"], m["kv_heads"], m["hidden"], m["experts"],
                              m["experts_per_token"])
   example = torch.zeros(cfg["train"]["batch"], cfg["train"]["seq"], m["dim"], requires_grad=True)
-  residuals = jb.saved_residuals(layer, example, torch.arange(cfg["train"]["seq"]),
-                                 remat=config.remat_setting(cfg))
+  with jb.override_ops(llama.ATTENTION[m["attention"]]):  # the attention the layers ran
+    residuals = jb.saved_residuals(layer, example, torch.arange(cfg["train"]["seq"]),
+                                   remat=config.remat_setting(cfg))
+  # rates after the first read window (it holds the compiles), unless there is only one
+  steady = [r for r in rows if r["step"] > rows[0]["step"] + cfg["train"]["log_every"] - 1]
+  steady = steady or rows
+  median = lambda key: statistics.median(r[key] for r in steady) if steady else None  # noqa: E731
+  overlaps = _overlaps_ms(rows)
   summary = {
-      "config": cfg, "steps_run": len(losses),
-      "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-      "compiles": (met.metric_data("CompileTime") or (0,))[0] - compiles_before,
+      "config": cfg, "steps_run": len(rows),
+      "first_loss": rows[0]["loss"] if rows else None,
+      "last_loss": rows[-1]["loss"] if rows else None,
+      "compiles": (met.metric_data("CompileTime") or (0,))[0] - before[0],
+      "graphs": _graphs() - before[1],
       "traces": jb.cache_info().misses,
       "residual_bytes_per_layer": residuals.total_bytes,
       "residual_host_bytes_per_layer": residuals.host_bytes,
+      "flops_per_token": reads.flops, "peak_flops": reads.peak,
+      "step_ms": median("step_ms"), "trace_ms": median("trace_ms"),
+      "tokens_per_s": median("tokens_per_s"),
+      "mfu": median("mfu") if reads.peak is not None and steady else None,
+      "overlap_ms": statistics.median(overlaps) if overlaps else None,
   }
   if sharded_model is not None:  # each parameter's sharding as it left the last step
     spec = _compat.xlac()._get_xla_sharding_spec
@@ -139,6 +259,13 @@ def _summary(cfg, out, losses, compiles_before, log, sharded_model=None):
   log(f"done: {summary['steps_run']} steps, loss {summary['first_loss']} -> "
       f"{summary['last_loss']}, {summary['compiles']} compiles, {summary['traces']} traces, "
       f"{residuals.total_bytes} residual bytes per layer; summary in {out / 'summary.json'}")
+  if steady:
+    mfu = f", MFU {summary['mfu']:.2%}" if summary["mfu"] is not None else ""
+    overlap = (f"; the host traced each step while the previous one ran for "
+               f"{summary['overlap_ms']:.1f} ms (median)" if summary["overlap_ms"] is not None
+               else "")
+    log(f"median step {summary['step_ms']:.1f} ms, trace {summary['trace_ms']:.1f} ms, "
+        f"{summary['tokens_per_s']:.0f} tok/s{mfu}{overlap}")
 
 
 def main(argv=None):

@@ -16,23 +16,27 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from torch_xla_jaxbridge import _compat
-from torch_xla_jaxbridge.recipes import config, data, llama, sharding
+from torch_xla_jaxbridge.recipes import config, data, llama, precision, sharding
 
 
 def prepare(cfg, device):
   """The model from `cfg`, on `device`, with its layers bridged or scanned as configured.
 
+  Start-up never holds the whole model on the host: it is built on the meta device and each
+  parameter is made on the CPU (one module at a time), then placed on `device`, under SPMD
+  directly as its shards (`sharding.place`), in `model.dtype`.
+
   Example:
     >>> model = prepare(config.load(), torch_xla.device())
   """
-  torch.manual_seed(cfg["train"]["seed"])
-  model = llama.build(cfg["model"]).to(device)
-  remat = config.remat_setting(cfg)
-  if cfg["remat"]["stack_layers"]:  # before sharding: the stacks are the parameters to shard
-    model.layers = jb.StackedLayers(model.layers, remat=remat)
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
-  if mesh is not None:
-    sharding.shard_model(model, mesh)
+  model = llama.build(cfg["model"], seed=cfg["train"]["seed"],
+                      place=sharding.placer(mesh, device))
+  remat = config.remat_setting(cfg)
+  if cfg["remat"]["stack_layers"]:
+    model.layers = jb.StackedLayers(model.layers, remat=remat)
+    if mesh is not None:  # the stacks are new parameters; the others keep their sharding
+      sharding.shard_model(model, mesh)
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
   elif cfg["remat"]["bridge"] == "layers" and not cfg["remat"]["stack_layers"]:
@@ -76,7 +80,9 @@ def train(cfg, *, log=print):
   out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
-  optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+  make = lambda params: torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])  # noqa: E731
+  optimizer = (precision.master_weights(model.parameters(), make) if t["master_weights"]
+               else make(model.parameters()))
   start = 0
   checkpoint = _latest_checkpoint(out) if cfg["resume"] else None
   if checkpoint is not None:

@@ -14,6 +14,7 @@ just before start-up) minus the resident set just before it. On XLA:CPU the devi
 host memory too, so the facts also give the bytes the devices hold afterwards.
 """
 import json
+import math
 import pathlib
 import sys
 
@@ -32,10 +33,15 @@ def memory():
 
 
 def device_bytes(model, mesh):
-  """Bytes the devices hold for the parameters: a sharded one once, a replicated one per device."""
-  spec = torch_xla._XLAC._get_xla_sharding_spec
-  copies = lambda p: 1 if mesh is None or "devices=" in spec(p) else mesh.size()  # noqa: E731
-  return sum(p.numel() * p.element_size() * copies(p) for p in model.parameters())
+  """Bytes the devices hold for the parameters: each once per device its spec replicates it on."""
+  if mesh is None:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+  sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+  total = 0
+  for name, p in model.named_parameters():
+    spec = sharding.param_spec(name, tuple(p.shape), *mesh.mesh_shape)
+    total += p.numel() * p.element_size() * mesh.size() // math.prod(sizes[a] for a in spec if a)
+  return int(total)
 
 
 def main(mode, steps, out, overrides):

@@ -238,7 +238,7 @@ def test_sharded_startup_is_the_eager_model(mid_startups):
   assert sharded["shardings"] == eager["shardings"]
   specs = sharded["shardings"].values()
   assert all(spec.startswith("{devices=[") for spec in specs)
-  assert any("0,2,1,3" in spec for spec in specs)  # a ("tensor", "fsdp") tiling, made shard by shard
+  assert any("0,2,1,3" in spec for spec in specs)  # a ("tensor", "fsdp") tiling, made by shards
   assert sharded["losses"] == pytest.approx(eager["losses"], rel=1e-6)
 
 
@@ -262,3 +262,17 @@ def test_llama_3_8b_shapes_two_layers_bfloat16(tmp_path):
   assert sharded["shardings"] == eager["shardings"]
   assert host_extra(sharded) < 0.5 < host_extra(eager)
   assert sharded["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_resume_with_master_weights_continues_the_same_loss_curve(tmp_path):
+  from torch_xla_jaxbridge.recipes import train
+
+  common = ["model.dtype=bfloat16", "train.master_weights=true", "train.checkpoint_every=2"]
+  quiet = lambda line: None  # noqa: E731
+  straight = train.train(config.load([*common, "train.steps=4", f"out={tmp_path / 'a'}"]),
+                         log=quiet)
+  first = train.train(config.load([*common, "train.steps=2", f"out={tmp_path / 'b'}"]), log=quiet)
+  rest = train.train(config.load([*common, "train.steps=4", "resume=true",
+                                  f"out={tmp_path / 'b'}"]), log=quiet)
+  assert first + rest == pytest.approx(straight, rel=1e-6)

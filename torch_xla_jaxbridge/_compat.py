@@ -13,7 +13,8 @@ import functools
 def xlac():
   """torch_xla's C++ module. Used for: the user-computation IR node (`_xla_user_computation`), a
   computation from an HLO proto, reading and setting a tensor's sharding, replacing a tensor's
-  data, syncing chosen tensors, a sharded tensor made from its CPU shards (recipe start-up). If a name goes, `test_compat` names it; no public alternative.
+  data, syncing chosen tensors, a sharded tensor made from its CPU shards (recipe start-up). If a
+  name goes, `test_compat` names it; no public alternative.
 
   Example:
     >>> callable(xlac()._xla_user_computation)

@@ -77,9 +77,8 @@ def param_spec(name, shape, fsdp, tensor):
 
 def place(value, mesh, spec):
   """The CPU tensor `value` as a tensor on the XLA device split by `spec` over `mesh`, made from
-  its shards: each device receives only its own part, and nothing the size of `value` is made on
-  the devices (moving it whole first and then marking it would put a whole copy on every device
-  and keep another on the host).
+  its shards: each device receives only its own part. (`value.to(device)` then `mark_sharding`
+  keeps another whole host copy of `value` until the mark.)
 
   Example (needs 4 devices under `use_spmd()`; test_startup.py runs it on 4 virtual CPU devices):
     >>> weight = place(torch.ones(8, 4), make_mesh(4, 1), ("fsdp", None))  # doctest: +SKIP

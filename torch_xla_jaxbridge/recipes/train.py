@@ -80,7 +80,10 @@ def train(cfg, *, log=print):
   out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
-  make = lambda params: torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])  # noqa: E731
+
+  def make(params):
+    return torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
+
   optimizer = (precision.master_weights(model.parameters(), make) if t["master_weights"]
                else make(model.parameters()))
   start = 0

@@ -25,8 +25,8 @@ def test_defaults_model_file_and_overrides():
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", r"train.stepz: unknown key 'stepz' in train; valid keys: batch, "
-                      r"checkpoint_every, data, log_every, lr, optimizer, seed, seq, steps, "
-                      r"sync_each_step, weight_decay"),
+                      r"checkpoint_every, data, log_every, lr, master_weights, optimizer, seed, "
+                      r"seq, steps, sync_each_step, weight_decay"),
     ("trian.steps=3", r"trian.steps: unknown key 'trian' in the top level; valid keys: mesh, "
                       r"model, out, remat, resume, train"),
     ("train.steps=many", r"train.steps: expected int \(like 200\), got str 'many'"),

@@ -13,7 +13,8 @@ import functools
 def xlac():
   """torch_xla's C++ module. Used for: the user-computation IR node (`_xla_user_computation`), a
   computation from an HLO proto, reading and setting a tensor's sharding, replacing a tensor's
-  data, syncing chosen tensors. If a name goes, `test_compat` names it; no public alternative.
+  data, syncing chosen tensors, a sharded tensor made from its CPU shards (recipe start-up). If a
+  name goes, `test_compat` names it; no public alternative.
 
   Example:
     >>> callable(xlac()._xla_user_computation)
@@ -28,7 +29,8 @@ XLAC_FUNCTIONS = ("_xla_user_computation", "_xla_op_computation_from_module_prot
                   "_get_xla_op_sharding", "_xla_mark_sharding", "_replace_xla_tensor",
                   "_xla_sync_multi", "_init_computation_client", "_get_xla_sharding_spec",
                   "_get_xla_tensors_hlo_proto", "_get_tensors_xla_device_data_node",
-                  "_get_xla_tensor_debug_info", "_xla_get_tensor_id", "_xla_tensors_report")
+                  "_get_xla_tensor_debug_info", "_xla_get_tensor_id", "_xla_tensors_report",
+                  "_global_tensor_from_cpu_shards")
 
 
 def init_computation_client():

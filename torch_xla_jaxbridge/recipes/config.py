@@ -6,7 +6,7 @@ import yaml
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge.recipes import data
-from torch_xla_jaxbridge.recipes.llama import ATTENTION, CHECKPOINT_NAMES
+from torch_xla_jaxbridge.recipes.llama import ATTENTION, CHECKPOINT_NAMES, DTYPES
 from torch_xla_jaxbridge.remat import PRESETS
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
@@ -103,6 +103,10 @@ def check(cfg):
   _choice("train.optimizer", train["optimizer"], ("adamw",))
   _choice("train.data", train["data"], ("corpus", "synthetic"))
   _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
+  _choice("model.dtype", model["dtype"], DTYPES)
+  if train["master_weights"] and model["dtype"] == "float32":
+    raise ConfigError("train.master_weights=true keeps float32 copies of low-precision parameters, "
+                      "but model.dtype is float32; set model.dtype=bfloat16 or drop master_weights.")
   _choice("remat.bridge", remat["bridge"], ("layers", "none"))
   _choice("model.attention", model["attention"], tuple(ATTENTION))
   if model["attention"] != "reference" and remat["bridge"] == "none":

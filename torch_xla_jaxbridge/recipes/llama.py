@@ -8,6 +8,8 @@ applies: `decoder_layer_input`, `query_proj`, `key_proj`, `value_proj`, `out_pro
 Attention is `F.scaled_dot_product_attention`; `attention="flash"` runs it as the Pallas flash
 kernel in the bridged layers (`jb.override_ops`, `ATTENTION`).
 """
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,8 +32,12 @@ class RMSNorm(nn.Module):
     self.weight = nn.Parameter(torch.ones(dim))
     self.eps = eps
 
+  def reset_parameters(self):
+    nn.init.ones_(self.weight)
+
   def forward(self, x):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    h = x.float()  # the statistics in float32 whatever the model's dtype
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rotary(x, positions, base=10000.0):
@@ -39,7 +45,7 @@ def rotary(x, positions, base=10000.0):
   half = x.shape[-1] // 2
   freqs = base ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
   angles = positions[:, None].to(torch.float32) * freqs[None, :]
-  cos, sin = angles.cos(), angles.sin()
+  cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # bfloat16 stays bfloat16
   x1, x2 = x[..., :half], x[..., half:]
   return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -155,23 +161,66 @@ class Llama(nn.Module):
       if self.use_scan:
         from torch_xla_jaxbridge.scan import scan_layers
 
-        h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
-      elif isinstance(self.layers, nn.ModuleList):
-        for layer in self.layers:
-          h = layer(h, positions)
-      else:
-        h = self.layers(h, positions)
-    return self.lm_head(self.norm(h))
+      h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
+    elif isinstance(self.layers, nn.ModuleList):
+      for layer in self.layers:
+        h = layer(h, positions)
+    else:
+      h = self.layers(h, positions)
+    return self.lm_head(self.norm(h)).float()  # the loss in float32 whatever the model's dtype
 
 
-def build(model_cfg):
-  """A Llama (or, with experts, Mixtral-style) model from a recipe's `model` config section.
+DTYPES = ("float32", "bfloat16")
+
+
+def build(model_cfg, seed=0, place=None):
+  """A Llama (or, with experts, Mixtral-style) model from a recipe's `model` config section, its
+  parameters in `model_cfg["dtype"]`.
+
+  The model is built on the meta device, then each module's parameters are made one module at a
+  time: torch's default init for that module (`reset_parameters`), drawn on the CPU directly in
+  the dtype (as torch initialises a module built with `dtype=`) from a generator seeded by `seed`
+  and the module's name, so a value does not depend on the order or the place parameters are made
+  in; then handed to `place(name, value)`, whose result becomes the parameter (default: the CPU
+  tensor). Beyond what `place` keeps, the host holds one module's parameters at a time.
 
   Example:
     >>> from torch_xla_jaxbridge.recipes import config
-    >>> model = build(config.load()["model"])
+    >>> model = build(config.load()["model"], seed=0)
+    >>> model.embed.weight.dtype, model.norm.weight.device.type
+    (torch.float32, 'cpu')
+    >>> build(config.load(["model.dtype=bfloat16"])["model"], seed=0).embed.weight.dtype
+    torch.bfloat16
   """
-  return Llama(vocab=model_cfg["vocab"], dim=model_cfg["dim"], layers=model_cfg["layers"],
-               heads=model_cfg["heads"], kv_heads=model_cfg["kv_heads"],
-               hidden=model_cfg["hidden"], experts=model_cfg["experts"],
-               top_k=model_cfg["experts_per_token"], attention=model_cfg["attention"])
+  with torch.device("meta"):
+    model = Llama(vocab=model_cfg["vocab"], dim=model_cfg["dim"], layers=model_cfg["layers"],
+                  heads=model_cfg["heads"], kv_heads=model_cfg["kv_heads"],
+                  hidden=model_cfg["hidden"], experts=model_cfg["experts"],
+                  top_k=model_cfg["experts_per_token"],
+                  attention=model_cfg["attention"]).to(getattr(torch, model_cfg["dtype"]))
+  for prefix, module in model.named_modules():
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    if not names:
+      continue
+    module.to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(module_seed(seed, prefix))
+      module.reset_parameters()
+    if place is not None:
+      for name in names:
+        value = getattr(module, name).detach()
+        setattr(module, name, nn.Parameter(place(f"{prefix}.{name}" if prefix else name, value)))
+  return model
+
+
+def module_seed(seed, name):
+  """The seed of module `name`'s initial values: a hash of (seed, name), the same in every process.
+
+  Example:
+    >>> module_seed(0, "layers.0.attn.q_proj") == module_seed(0, "layers.0.attn.q_proj")
+    True
+    >>> module_seed(0, "embed") != module_seed(1, "embed")
+    True
+  """
+  digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+  return int.from_bytes(digest[:8], "little") & (2**63 - 1)

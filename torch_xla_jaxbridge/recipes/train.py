@@ -24,23 +24,28 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 
 from torch_xla_jaxbridge import _compat
-from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, metrics, sharding
+from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, metrics, precision, sharding
 
 
 def prepare(cfg, device):
   """The model from `cfg`, on `device`, with its layers bridged or scanned as configured.
 
+  Start-up never holds the whole model on the host: it is built on the meta device and each
+  parameter is made on the CPU (one module at a time), then placed on `device`, under SPMD
+  directly as its shards (`sharding.place`), in `model.dtype`.
+
   Example:
     >>> model = prepare(config.load(), torch_xla.device())
   """
-  torch.manual_seed(cfg["train"]["seed"])
-  model = llama.build(cfg["model"]).to(device)
-  remat = config.remat_setting(cfg)
-  if cfg["remat"]["stack_layers"]:  # before sharding: the stacks are the parameters to shard
-    model.layers = jb.StackedLayers(model.layers, remat=remat)
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
+  model = llama.build(cfg["model"], seed=cfg["train"]["seed"],
+                      place=sharding.placer(mesh, device))
+  remat = config.remat_setting(cfg)
+  if cfg["remat"]["stack_layers"]:
+    model.layers = jb.StackedLayers(model.layers, remat=remat)
+    if mesh is not None:  # the stacks are new parameters; the others keep their sharding
+      sharding.shard_model(model, mesh)
   if mesh is not None:
-    sharding.shard_model(model, mesh)
     model.overrides = sharding.attention_overrides(cfg["model"]["attention"], *mesh.mesh_shape,
                                                    cfg["model"]["kv_heads"])
   if cfg["remat"]["scan_layers"]:
@@ -77,7 +82,12 @@ def train(cfg, *, log=print):
   out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
-  optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+
+  def make(params):
+    return torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
+
+  optimizer = (precision.master_weights(model.parameters(), make) if t["master_weights"]
+               else make(model.parameters()))
   start = 0
   found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
   if found is not None:

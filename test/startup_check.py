@@ -1,0 +1,101 @@
+"""One recipe start-up in its own process (run by test_startup.py), on 4 virtual CPU devices when
+the mesh asks for them; prints its facts as JSON on the last line.
+
+  python test/startup_check.py MODE STEPS OUT key=value ...
+
+MODE `sharded`: the recipe's start-up (`train.prepare`: meta build, each parameter placed as its
+shards). MODE `eager`: the start-up before it, kept here as the reference: the whole model built on
+the host (`llama.build` without `place`), moved with `.to(device)`, then `shard_model`.
+STEPS > 0 then trains that many steps (`train.train`, the same loop either way) and reports the
+losses; STEPS = 0 reports the loss of the first batch (forward only) instead.
+
+Peak host memory is the process's peak resident set (VmHWM, reset through /proc/self/clear_refs
+just before start-up) minus the resident set just before it. On XLA:CPU the devices' buffers are
+host memory too, so the facts also give the bytes the devices hold afterwards.
+"""
+import json
+import math
+import pathlib
+import sys
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+from torch_xla_jaxbridge.recipes import config, data, llama, sharding, train
+
+
+def memory():
+  """(resident, peak resident) bytes of this process."""
+  fields = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text()
+                .splitlines())
+  return tuple(int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def device_bytes(model, mesh):
+  """Bytes the devices hold for the parameters: each once per device its spec replicates it on."""
+  if mesh is None:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+  sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+  total = 0
+  for name, p in model.named_parameters():
+    spec = sharding.param_spec(name, tuple(p.shape), *mesh.mesh_shape)
+    total += p.numel() * p.element_size() * mesh.size() // math.prod(sizes[a] for a in spec if a)
+  return int(total)
+
+
+def main(mode, steps, out, overrides):
+  cfg = config.load([f"out={out}", f"train.steps={max(steps, 1)}", "train.checkpoint_every=0",
+                     *overrides])
+  mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
+  device = torch_xla.device()
+  facts = {"mode": mode}
+  if mode == "eager":
+    build = llama.build
+
+    def eager_build(model_cfg, seed, place):
+      model = build(model_cfg, seed).to(device)
+      if mesh is not None:
+        sharding.shard_model(model, mesh)
+      return model
+
+    llama.build = eager_build
+  prepare = train.prepare
+
+  def measured_prepare(cfg, device):
+    before = memory()[0]
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    model = prepare(cfg, device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    after, peak = memory()
+    params = list(model.parameters())
+    facts.update(peak_increase=peak - before, retained=after - before,
+                 model_bytes=sum(p.numel() * p.element_size() for p in params),
+                 largest_float32_bytes=max(p.numel() * 4 for p in params),
+                 device_bytes=device_bytes(model, mesh),
+                 dtypes=sorted({str(p.dtype) for p in params}),
+                 shardings={n: torch_xla._XLAC._get_xla_sharding_spec(p)
+                            for n, p in model.named_parameters()})
+    return model
+
+  train.prepare = measured_prepare
+  if steps:
+    facts["losses"] = train.train(cfg, log=lambda line: None)
+  else:
+    model = train.prepare(cfg, device)
+    t = cfg["train"]
+    inputs, targets = data.batch(0, batch=t["batch"], seq=t["seq"], seed=t["seed"],
+                                 source=t["data"], vocab=cfg["model"]["vocab"])
+    inputs, targets = inputs.to(device), targets.to(device)
+    if mesh is not None:
+      inputs, targets = sharding.shard_batch(inputs, mesh), sharding.shard_batch(targets, mesh)
+    with torch.no_grad():
+      logits = model(inputs)
+      loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    facts["losses"] = [loss.item()]
+  print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])

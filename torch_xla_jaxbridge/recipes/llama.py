@@ -161,12 +161,12 @@ class Llama(nn.Module):
       if self.use_scan:
         from torch_xla_jaxbridge.scan import scan_layers
 
-      h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
-    elif isinstance(self.layers, nn.ModuleList):
-      for layer in self.layers:
-        h = layer(h, positions)
-    else:
-      h = self.layers(h, positions)
+        h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
+      elif isinstance(self.layers, nn.ModuleList):
+        for layer in self.layers:
+          h = layer(h, positions)
+      else:
+        h = self.layers(h, positions)
     return self.lm_head(self.norm(h)).float()  # the loss in float32 whatever the model's dtype
 
 

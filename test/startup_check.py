@@ -21,6 +21,7 @@ import sys
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
 
 from torch_xla_jaxbridge.recipes import config, data, llama, sharding, train
 
@@ -89,7 +90,8 @@ def main(mode, steps, out, overrides):
                                  source=t["data"], vocab=cfg["model"]["vocab"])
     inputs, targets = inputs.to(device), targets.to(device)
     if mesh is not None:
-      inputs, targets = sharding.shard_batch(inputs, mesh), sharding.shard_batch(targets, mesh)
+      for batch in (inputs, targets):  # the batch split over fsdp, as the recipe's loader does
+        xs.mark_sharding(batch, mesh, ("fsdp", None))
     with torch.no_grad():
       logits = model(inputs)
       loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

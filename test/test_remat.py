@@ -147,3 +147,18 @@ def test_torch_utils_checkpoint_recomputes_inside_bridged_code(dev):
   check_module(CheckpointedBlock(), torch.randn(4, 16), dev=dev)
   with torch.no_grad():  # outside bridged code torch's own checkpoint still runs
     block(x)
+
+
+@pytest.mark.parametrize("first", [float("nan"), float("inf"), -2.0, 0.0])
+def test_a_policys_backward_takes_every_cotangent(dev, first):
+  # the backward of a call with a policy runs in a conditional on the first cotangent value: it
+  # must be taken for NaN, infinities, negatives and zero alike (elementwise: no sums of inf)
+  w = torch.rand(3, 4) + 0.5
+  wave = jb.bridge(lambda x, w: torch.sin(x) * w, remat="full")
+  grad_out = torch.randn(3, 4)
+  grad_out[0, 0] = first
+  x = torch.rand(3, 4, requires_grad=True)
+  (torch.sin(x) * w).backward(grad_out)
+  xx = x.detach().to(dev).requires_grad_()
+  wave(xx, w.to(dev)).backward(grad_out.to(dev))
+  torch.testing.assert_close(xx.grad.cpu(), x.grad, equal_nan=True)

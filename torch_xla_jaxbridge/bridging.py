@@ -45,6 +45,7 @@ class Residuals:
   inputs: tuple  # positions, among the differentiable inputs, of those the backward reads
   dtypes: tuple  # of the computed residuals
   on_host: tuple  # offloaded computed residuals
+  sequenced: bool = False  # a remat policy recomputes: only once the cotangents have arrived
 
 
 class Spec:
@@ -283,7 +284,8 @@ class Bridged:
     computed = [r for r, source in zip(residuals, sources) if source is None]
     on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
                     for r in computed)
-    kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host)
+    kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host,
+                     self.policy is not None)
     computed = [dtypes.torch_compatible(jax, r) for r in computed]
     return floats, others, mutated, (kept, computed), layout
 
@@ -297,7 +299,23 @@ def backward_half(saved, inputs, cotangents):
   computed = iter([jax.device_put(r, jax.memory.Space.Host) if host else r
                    for r, host in zip(computed, kept.on_host)])
   residuals = [next(computed) if source is None else inputs[source] for source in kept.sources]
-  return kept.tree.unflatten(residuals)(list(cotangents))
+  vjp = lambda r, c: kept.tree.unflatten(r)(c)  # noqa: E731
+  cotangents = list(cotangents)
+  if kept.sequenced and any(c.size for c in cotangents):
+    return _in_conditional(vjp, residuals, cotangents)
+  return vjp(residuals, cotangents)
+
+
+def _in_conditional(vjp, residuals, cotangents):
+  """`vjp(residuals, cotangents)` inside a conditional XLA cannot fold. The step is one program: in
+  line, XLA merges a remat policy's recomputation with the forward it repeats (or runs it early)
+  and keeps its values, so the policy saved nothing; a conditional's branch is its own
+  computation, run only once the cotangents exist, its values freed when it returns."""
+  jax = runtime.jax_module()
+  first = jax.numpy.real(next(c for c in cotangents if c.size).ravel()[0])
+  always = ~((first < 0) & (first >= 0))  # true for every value, NaN included
+  nothing = lambda r, c: jax.tree.map(jax.numpy.zeros_like, jax.eval_shape(vjp, r, c))  # noqa
+  return jax.lax.cond(always, vjp, nothing, residuals, cotangents)
 
 
 class _VjpFunction(torch.autograd.Function):

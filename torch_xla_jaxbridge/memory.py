@@ -46,10 +46,12 @@ def _xla_tensors(objects):
   return found
 
 
-def memory_report(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+def memory_report(step_fn: Callable[..., Any], *args: Any, sync: bool = True,
+                  **kwargs: Any) -> MemoryReport:
   """Runs `step_fn(*args, **kwargs)` (one training step on XLA tensors, without its sync) and
   returns the memory of the program its `torch_xla.sync()` compiles, from XLA's compiled module;
-  then syncs, so the step has run.
+  then syncs, so the step has run. With `sync=False` it only compiles: the step stays pending
+  (sync to run it), e.g. to size a batch that would not fit.
 
   Example:
     >>> import torch, torch_xla
@@ -79,9 +81,10 @@ def memory_report(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Mem
              if tid in outputs and tuple(tensors[outputs[tid]].shape) == param_shapes[j]]
   stats = _compat.compiled_memory(proto, aliases, len(tensors))
   unreached = len(_compat.live_pending_ids(device) - set(found))
-  import torch_xla
+  if sync:
+    import torch_xla
 
-  torch_xla.sync()
+    torch_xla.sync()
   return MemoryReport(stats.argument_size_in_bytes, stats.output_size_in_bytes,
                       stats.alias_size_in_bytes, stats.temp_size_in_bytes, len(tensors), unreached)
 

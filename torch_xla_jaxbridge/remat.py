@@ -75,6 +75,30 @@ class Remat:
       policy_for(self.policy)  # validates
 
 
+# Ops XLA fuses into the ops that read them. In an unrolled program their results are recomputed
+# inside the backward's fusions rather than stored; a scan body stores every value `jax.vjp` keeps,
+# one buffer per layer, so its default policy recomputes these instead (`save_unfused`).
+FUSED_PRIMITIVES = frozenset("""
+    abs add and bitcast_convert_type broadcast_in_dim ceil clamp concatenate convert_element_type
+    copy copy_p cos cosh div eq erf erf_inv exp exp2 expand_dims expm1 floor ge gt imag
+    integer_pow iota is_finite le log log1p logistic lt max min mul name ne neg not or pad pow
+    real reduce_precision rem reshape rev round rsqrt select_n sign sin sinh slice sqrt square
+    squeeze stop_gradient sub tan tanh transpose xor""".split())
+
+
+def save_unfused(prim, *_, **__) -> bool:
+  """The scan body's policy for `remat=None`: saves what is not elementwise or a layout change
+  (matmuls, reductions, gathers ...), recomputes the rest, as XLA's fusion does in an unrolled
+  program; no matmul runs twice.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> save_unfused(jax.lax.dot_general_p), save_unfused(jax.lax.exp_p)
+    (True, False)
+  """
+  return prim.name not in FUSED_PRIMITIVES
+
+
 def _preset(name):
   jax = runtime.jax_module()
   policies = jax.checkpoint_policies

@@ -33,7 +33,8 @@ def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, *, remat: An
   Args:
     layers: structurally identical modules (same classes, parameter shapes, plain attributes).
     input_data: the first layer's carry input.
-    remat: policy for the scan body (see docs/remat.md); None keeps what `jax.vjp` keeps.
+    remat: policy for the scan body (see docs/remat.md); None keeps what `jax.vjp` keeps
+      except the results of elementwise and layout ops (`jb.remat.save_unfused`).
     shared_args, shared_kwargs: extra inputs given unchanged to every layer (positions, masks).
 
   Returns:
@@ -121,8 +122,11 @@ def _bridged_scan(template, structure, remat):
       _BY_LAYER.setdefault(template, {}), remat)
   bridged = table.get(key)
   if bridged is None:
+    # no policy: what jax.vjp keeps, less what XLA would fuse away in the unrolled layers (a
+    # scan stores each kept value for every layer: 1.33x LazyTensor's step bytes without this)
+    policy = remat_policies.policy_for(remat) or remat_policies.save_unfused
     bridged = table[key] = bridging.Bridged(
-        functools.partial(_scan, template, remat_policies.policy_for(remat)),
+        functools.partial(_scan, template, policy),
         name=f"scan_{type(template).__name__}")
   return bridged
 
@@ -341,9 +345,7 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
     layer_params, layer_buffers, key = xs
     return run_layer(carry, layer_params, layer_buffers, key), None
 
-  if policy is not None:
-    body = jax.checkpoint(body, policy=policy)
-  body = _residuals_read_whole(body)
+  body = _residuals_read_whole(jax.checkpoint(body, policy=policy))
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)
   return wrap(final)

@@ -1,0 +1,211 @@
+"""Compiled memory of the recipe model's training step, LazyTensor against every bridged mode.
+
+The recipe's Llama (vocab 256, 4 heads, 2 KV heads, hidden 4*dim), one step = forward, cross
+entropy, backward, SGD, read with `jb.memory_report` from the program the step's sync compiles:
+argument, output, temp and total bytes, and total against LazyTensor's. Each mode runs in its own
+process. The `offload` column is from lowering for TPU (`jb.lower_bridged`): the residual bytes the
+mode's policy keeps in host memory per step (XLA:CPU has one memory, so the step bytes here do not
+show it). Writes JSON (default scripts/out/bench_memory.json).
+
+  python scripts/bench_memory.py [--layers 8] [--dim 256] [--seq 256] [--batch 4] [--json PATH]
+  python scripts/bench_memory.py --fit BYTES   # the largest batch each mode compiles within BYTES
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+MODES = [("LazyTensor", None), ("BridgeModule", None), ("BridgeModule", "dots_no_batch"),
+         ("BridgeModule", "minimal"), ("BridgeModule", "full"),
+         ("BridgeModule", "minimal_offloaded"), ("StackedLayers", None),
+         ("StackedLayers", "full"), ("StackedLayers", "minimal_offloaded")]
+FIT_MODES = ["LazyTensor", "BridgeModule:full", "StackedLayers:full"]  # the first is the baseline
+
+
+def build(mode, remat, layers, dim):
+  """The recipe model on the XLA device, its decoder layers run as `mode` says."""
+  import torch
+  import torch_xla_jaxbridge as jb
+  from torch_xla_jaxbridge.recipes.llama import Llama
+
+  torch.manual_seed(0)
+  model = Llama(vocab=256, dim=dim, layers=layers, heads=4, kv_heads=2, hidden=4 * dim)
+  if mode == "BridgeModule":
+    model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
+  elif mode == "StackedLayers":
+    model.layers = jb.StackedLayers(model.layers, remat=remat)
+  elif mode != "LazyTensor":
+    raise ValueError(mode)
+  return model.to("xla")
+
+
+def measure(mode, remat, layers, dim, seq, batch, run=True):
+  """One row: the step's compiled memory, and the residual bytes the policy offloads; `run=False`
+  compiles the step without running it (and without the offload column)."""
+  import warnings
+
+  import torch
+  import torch_xla
+  import torch_xla_jaxbridge as jb
+
+  warnings.simplefilter("ignore")  # CPU drops offload annotations: the offload column says it
+  model = build(mode, remat, layers, dim)
+  optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+  tokens = torch.randint(0, 256, (batch, seq), device="xla")
+  torch_xla.sync()
+
+  def step():
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+  report = jb.memory_report(step, sync=run)
+  row = {"mode": mode, "remat": str(remat), "layers": layers, "dim": dim, "seq": seq,
+         "batch": batch, "argument_bytes": report.argument_bytes,
+         "output_bytes": report.output_bytes, "alias_bytes": report.alias_bytes,
+         "temp_bytes": report.temp_bytes, "total_bytes": report.total_bytes,
+         "offload_bytes": offload_bytes(mode, remat, layers, dim, seq, batch) if run else 0}
+  return row
+
+
+def offload_bytes(mode, remat, layers, dim, seq, batch):
+  """Residual bytes per step that the policy keeps in host memory on TPU: the host rows of
+  `saved_residuals`, checked against the `pinned_host` annotations of `lower_bridged`."""
+  import torch
+  import torch_xla_jaxbridge as jb
+  from torch_xla_jaxbridge.recipes.llama import DecoderLayer
+
+  if mode == "LazyTensor" or not jb.remat.offloads(remat):
+    return 0
+  torch.manual_seed(0)
+  count = layers if mode == "BridgeModule" else 1
+  layer = DecoderLayer(dim, 4, 2, 4 * dim)
+  if mode == "StackedLayers":
+    layer = jb.StackedLayers([DecoderLayer(dim, 4, 2, 4 * dim) for _ in range(layers)],
+                             remat=remat)
+    remat_arg = None  # the stack's own policy applies to its scan body
+    fn = jb.bridge(lambda h, p: layer(h, p))
+  else:
+    remat_arg, fn = remat, layer
+  h = torch.randn(batch, seq, dim, requires_grad=True)
+  positions = torch.arange(seq)
+  report = jb.saved_residuals(fn, h, positions, remat=remat_arg)
+  forward, _ = jb.lower_bridged(fn, h, positions, platform="tpu", remat=remat_arg)
+  hosted = [r for r in report.rows if r.where == "host"]
+  annotated = forward.count('_xla_buffer_placement = "pinned_host"')
+  if annotated < len(hosted):
+    raise AssertionError(f"{mode} {remat}: {len(hosted)} host residuals but {annotated} "
+                         f"pinned_host annotations in the TPU lowering")
+  return count * report.host_bytes
+
+
+def run_isolated(*args):
+  """`measure(*args)` in a fresh process (compiled programs and caches of one mode never reach
+  another)."""
+  env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+  done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(args)], env=env,
+                        capture_output=True, text=True)
+  if done.returncode != 0:
+    raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fit(mode, remat, layers, dim, seq, budget):
+  """`(batch, trials)`: the largest batch whose step compiles within `budget` bytes (0: none),
+  each trial a compile in its own process. Bytes grow about linearly with the batch: batches 1
+  and 2 give the first guess, then the answer is bracketed and bisected."""
+  totals = {}
+
+  def fits(batch):
+    if batch not in totals:
+      row = run_isolated(mode, remat, layers, dim, seq, batch, False)
+      totals[batch] = row["total_bytes"]
+      print(f"  {mode} {remat} batch {batch}: {totals[batch]:,d} B", flush=True)
+    return totals[batch] <= budget
+
+  if not fits(1):
+    return 0, totals
+  fits(2)
+  guess = max(1, 1 + (budget - totals[1]) // max(totals[2] - totals[1], 1))
+  low, high = (guess, None) if fits(guess) else (1, guess)
+  while high is None:  # grow until a batch does not fit
+    high = low * 2 if not fits(low * 2) else None
+    low = low if high is not None else low * 2
+  while high - low > 1:
+    middle = (low + high) // 2
+    low, high = (middle, high) if fits(middle) else (low, middle)
+  return low, totals
+
+
+def table(rows):
+  base = {(r["layers"], r["dim"], r["seq"], r["batch"]): r["total_bytes"]
+          for r in rows if r["mode"] == "LazyTensor"}
+  mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+  lines = [f"{'mode':<15}{'remat':<19}{'layers':>6}{'args MiB':>10}{'out MiB':>9}"
+           f"{'temp MiB':>10}{'total MiB':>11}{'vs Lazy':>9}{'offload MiB':>13}"]
+  for r in rows:
+    ref = base.get((r["layers"], r["dim"], r["seq"], r["batch"]))
+    r["vs_lazytensor"] = round(r["total_bytes"] / ref, 3) if ref else None
+    lines.append(f"{r['mode']:<15}{r['remat']:<19}{r['layers']:>6}{mb(r['argument_bytes']):>10}"
+                 f"{mb(r['output_bytes']):>9}{mb(r['temp_bytes']):>10}"
+                 f"{mb(r['total_bytes']):>11}{r['vs_lazytensor'] or '-':>9}"
+                 f"{mb(r['offload_bytes']):>13}")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--layers", type=int, nargs="+", default=[8])
+  parser.add_argument("--dim", type=int, default=256)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--modes", nargs="+", help="mode[:remat] entries, e.g. StackedLayers:full")
+  parser.add_argument("--fit", type=int, help="a budget in bytes: the largest batch per mode")
+  parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "out",
+                                                     "bench_memory.json"))
+  opts = parser.parse_args()
+  if opts.worker:
+    print(json.dumps(measure(*json.loads(opts.worker))))
+    return
+  if opts.fit:
+    modes = [(m.partition(":")[0], m.partition(":")[2] or None) for m in opts.modes or FIT_MODES]
+    rows = []
+    for mode, remat in modes:
+      batch, totals = fit(mode, remat, opts.layers[0], opts.dim, opts.seq, opts.fit)
+      rows.append({"mode": mode, "remat": str(remat), "batch": batch,
+                   "total_bytes": totals.get(batch), "trials": len(totals)})
+    base = rows[0]["batch"]
+    print(f"\nlargest batch within {opts.fit:,d} B: recipe Llama {opts.layers[0]} layers, dim "
+          f"{opts.dim}, seq {opts.seq}, SGD (compiled XLA:CPU step)")
+    print(f"{'mode':<15}{'remat':<8}{'batch':>7}{'total MiB':>11}{'vs ' + rows[0]['mode']:>16}")
+    for r in rows:
+      r["vs_first"] = round(r["batch"] / base, 2) if base else None
+      total = f"{r['total_bytes'] / 2**20:.1f}" if r["total_bytes"] else "-"
+      print(f"{r['mode']:<15}{r['remat']:<8}{r['batch']:>7}{total:>11}{r['vs_first'] or '-':>16}")
+    result = {"budget_bytes": opts.fit, "layers": opts.layers[0], "dim": opts.dim,
+              "seq": opts.seq, "rows": rows}
+    path = opts.json.replace(".json", "_fit.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(result, f, indent=2)
+    return
+  modes = MODES if not opts.modes else [
+      (m.partition(":")[0], m.partition(":")[2] or None) for m in opts.modes]
+  rows = []
+  for layers in opts.layers:
+    for mode, remat in modes:
+      rows.append(run_isolated(mode, remat, layers, opts.dim, opts.seq, opts.batch))
+      print(json.dumps(rows[-1]), flush=True)
+  print(f"\nrecipe Llama dim {opts.dim}, seq {opts.seq}, batch {opts.batch}, SGD; compiled "
+        f"XLA:CPU step (jb.memory_report); offload: host bytes on TPU (lower_bridged)")
+  print(table(rows))
+  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
+  with open(opts.json, "w") as f:
+    json.dump({"dim": opts.dim, "seq": opts.seq, "batch": opts.batch, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

@@ -256,3 +256,18 @@ def test_adamw_bad_input_says_what_to_do(dev):
     opt.step()
   with pytest.raises(jb.errors.BadArgumentError, match="0 <= warmup_steps <= total_steps"):
     jb.optim.warmup_cosine(20, 10)
+
+
+@pytest.mark.parametrize("make", [lambda ps: jb.optim.SGD(ps, lr=0.1),
+                                  lambda ps: jb.optim.AdamW(ps, lr=0.1)], ids=["SGD", "AdamW"])
+def test_an_update_after_load_state_dict_reaches_the_state_dict(dev, make):
+  model = mlp(dev)
+  opt = make(model.parameters())
+  model.load_state_dict({k: v.cpu() + 1 for k, v in model.state_dict().items()})  # copy_ each
+  loaded = {k: v.cpu() for k, v in model.state_dict().items()}
+  model(torch.ones(2, 6, device=dev)).sum().backward()
+  opt.step()
+  torch_xla.sync()
+  for key, value in model.state_dict().items():  # state_dict reads detached aliases
+    assert not torch.equal(value.cpu(), loaded[key]), key
+    torch.testing.assert_close(value.cpu(), dict(model.named_parameters())[key].detach().cpu())

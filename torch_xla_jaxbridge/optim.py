@@ -109,9 +109,8 @@ def _check_xla(name, params):
 
 def _take_values(params, new_values):
   """Each parameter takes its new value's device data (no copy), as an in-place update would."""
-  replace = _compat.xlac()._replace_xla_tensor
   for p, new in zip(params, new_values):
-    replace(p, new)
+    _compat.replace_data(p, new)
   torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
 
 

@@ -9,6 +9,8 @@ from torch_xla_jaxbridge.recipes.llama import CHECKPOINT_NAMES
 from torch_xla_jaxbridge.remat import PRESETS
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
+OPTIMIZERS = ("adamw", "torch-adamw", "sgd")  # train.optimizer: jb.optim.AdamW, torch's, jb's SGD
+SCHEDULES = ("constant", "cosine", "linear")  # train.schedule after train.warmup_steps
 
 
 class ConfigError(errors.BridgeError, ValueError):
@@ -69,9 +71,12 @@ def _set(cfg, key, value):
       node = node[part]
 
 
+_NULLABLE = ("train.max_grad_norm",)  # keys with a non-null default that also take null
+
+
 def _typed(key, default, value):
   """`value` checked against the type of the default it replaces."""
-  if default is None:
+  if default is None or (value is None and key in _NULLABLE):
     return value
   if isinstance(default, bool) or isinstance(value, bool):
     if isinstance(default, bool) and isinstance(value, bool):
@@ -89,7 +94,8 @@ def _typed(key, default, value):
 def check(cfg):
   """Raises ConfigError for values the recipe cannot run, naming the key and the valid choices."""
   train, remat, model, mesh = cfg["train"], cfg["remat"], cfg["model"], cfg["mesh"]
-  _choice("train.optimizer", train["optimizer"], ("adamw",))
+  _choice("train.optimizer", train["optimizer"], OPTIMIZERS)
+  _choice("train.schedule", train["schedule"], SCHEDULES)
   _choice("train.data", train["data"], ("corpus", "synthetic"))
   _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
   _choice("remat.bridge", remat["bridge"], ("layers", "none"))
@@ -112,9 +118,24 @@ def check(cfg):
   for key in ("batch", "seq", "steps"):
     if train[key] < 1:
       raise ConfigError(f"train.{key}: must be at least 1, got {train[key]}.")
+  _check_optimizer(train)
   _check_mesh(mesh, train)
   if model["dim"] % model["heads"] or model["heads"] % model["kv_heads"]:
     raise ConfigError("model.dim must divide by model.heads, and model.heads by model.kv_heads.")
+
+
+def _check_optimizer(train):
+  """Learning rate, weight decay, clipping norm and warmup the optimizer and schedule can run."""
+  if not train["lr"] > 0:
+    raise ConfigError(f"train.lr: must be > 0, got {train['lr']}.")
+  if train["weight_decay"] < 0:
+    raise ConfigError(f"train.weight_decay: must be >= 0, got {train['weight_decay']}.")
+  if train["max_grad_norm"] is not None and train["max_grad_norm"] < 0:
+    raise ConfigError(f"train.max_grad_norm: must be > 0 (or null or 0: no clipping), got "
+                      f"{train['max_grad_norm']}.")
+  if not 0 <= train["warmup_steps"] <= train["steps"]:
+    raise ConfigError(f"train.warmup_steps: must be between 0 and train.steps ({train['steps']}), "
+                      f"got {train['warmup_steps']}.")
 
 
 def _check_mesh(mesh, train):

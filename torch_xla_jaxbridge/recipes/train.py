@@ -2,7 +2,8 @@
 
 Builds the configured model on `torch_xla.device()` (with `mesh.fsdp * mesh.tensor > 1`: SPMD,
 parameters and batches sharded over the mesh), bridges or scans its decoder layers with the
-configured remat policy, trains with AdamW, one `torch_xla.sync()` per step; prints a progress
+configured remat policy, trains with the configured optimizer (`jb.optim.AdamW` by default, with
+gradient clipping and a learning-rate schedule), one `torch_xla.sync()` per step; prints a progress
 line per step, writes per-step metrics and a summary, saves checkpoints and resumes from them.
 """
 import json
@@ -38,6 +39,54 @@ def prepare(cfg, device):
   elif cfg["remat"]["bridge"] == "layers" and not cfg["remat"]["stack_layers"]:
     model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
   return model
+
+
+def make_optimizer(model, t):
+  """The optimizer `train.optimizer` names, with the `train` section's lr, weight decay and (for
+  jb.optim.AdamW, which clips inside its step) max_grad_norm.
+
+  Example:
+    >>> type(make_optimizer(torch.nn.Linear(2, 2), config.load()["train"])).__name__
+    'AdamW'
+  """
+  lr, weight_decay = t["lr"], t["weight_decay"]
+  if t["optimizer"] == "adamw":
+    return jb.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                          max_grad_norm=t["max_grad_norm"] or None)
+  if t["optimizer"] == "torch-adamw":
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+  return jb.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def make_schedule(optimizer, t, start=0):
+  """`LambdaLR` for `train.warmup_steps` then `train.schedule`, at step `start` (a resumed run
+  goes on with the learning rate of its step; the base rate is `train.lr`).
+
+  Example:
+    >>> t = config.load(["train.steps=10", "train.warmup_steps=4"])["train"]
+    >>> optimizer = make_optimizer(torch.nn.Linear(2, 2), t)
+    >>> round(make_schedule(optimizer, t, start=2).get_last_lr()[0] / t["lr"], 2)
+    0.6
+  """
+  factor = {"constant": lambda warmup, steps: jb.optim.warmup_constant(warmup),
+            "cosine": jb.optim.warmup_cosine,
+            "linear": jb.optim.warmup_linear}[t["schedule"]](t["warmup_steps"], t["steps"])
+  for group in optimizer.param_groups:
+    group["initial_lr"] = t["lr"]
+  return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start - 1)
+
+
+def optimizer_step(optimizer, schedule, model, t):
+  """One step of `optimizer` (torch's optimizers after `clip_grad_norm_` when
+  `train.max_grad_norm` is set), then of `schedule`; returns (the gradients' norm before
+  clipping as an XLA tensor, None where nothing computed it; the learning rate of this step)."""
+  lr = optimizer.param_groups[0]["lr"]
+  norm = None
+  if not isinstance(optimizer, jb.optim.AdamW) and t["max_grad_norm"]:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
+  optimizer.step()
+  schedule.step()
+  return (optimizer.grad_norm if isinstance(optimizer, jb.optim.AdamW) else norm), lr
 
 
 def _latest_checkpoint(out):
@@ -76,12 +125,13 @@ def train(cfg, *, log=print):
   out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
-  optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+  optimizer = make_optimizer(model, t)
   start = 0
   checkpoint = _latest_checkpoint(out) if cfg["resume"] else None
   if checkpoint is not None:
     start = _resume(checkpoint, model, optimizer, device)
     log(f"resumed from {checkpoint} at step {start}")
+  schedule = make_schedule(optimizer, t, start)
   compiles_before = (met.metric_data("CompileTime") or (0,))[0]
   losses = []
   with open(out / "metrics.jsonl", "a" if checkpoint else "w") as metrics:
@@ -95,7 +145,7 @@ def train(cfg, *, log=print):
       logits = model(inputs)
       loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
       loss.backward()
-      optimizer.step()
+      grad_norm, lr = optimizer_step(optimizer, schedule, model, t)
       optimizer.zero_grad()
       traced = time.perf_counter()
       torch_xla.sync()
@@ -104,7 +154,8 @@ def train(cfg, *, log=print):
       losses.append(value)
       row = {"step": step + 1, "loss": value, "step_ms": (done - began) * 1e3,
              "trace_ms": (traced - began) * 1e3,
-             "tokens_per_s": t["batch"] * t["seq"] / (done - began)}
+             "tokens_per_s": t["batch"] * t["seq"] / (done - began),
+             "grad_norm": None if grad_norm is None else grad_norm.item(), "lr": lr}
       metrics.write(json.dumps(row) + "\n")
       log(_progress(row, t["steps"]))
       every = t["checkpoint_every"]

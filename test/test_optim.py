@@ -254,6 +254,10 @@ def test_adamw_bad_input_says_what_to_do(dev):
   cpu_model(torch.ones(1, 2)).sum().backward()
   with pytest.raises(jb.errors.BadArgumentError, match="Use torch.optim.AdamW"):
     opt.step()
+  complex_param = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64, device=dev))
+  complex_param.grad = torch.ones_like(complex_param)
+  with pytest.raises(jb.errors.BadArgumentError, match=r"dtype torch.complex64; .* Use torch.optim"):
+    jb.optim.AdamW([complex_param]).step()
   with pytest.raises(jb.errors.BadArgumentError, match="0 <= warmup_steps <= total_steps"):
     jb.optim.warmup_cosine(20, 10)
 

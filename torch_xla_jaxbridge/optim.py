@@ -97,14 +97,16 @@ class SGD(torch.optim.Optimizer):
     return cached[1]
 
 
-def _check_xla(name, params):
-  """Refuses parameters the one-node update cannot hold: not on XLA, or a sparse gradient."""
+def _check_xla(name, params, real=False):
+  """Refuses parameters the one-node update cannot hold: not on XLA, a sparse gradient, or (with
+  `real`: an update that is not linear in the gradient) a complex dtype."""
   for p in params:
-    if not p.is_xla or p.grad.is_sparse:
+    if not p.is_xla or p.grad.is_sparse or (real and p.is_complex()):
+      what = (" with a sparse gradient" if p.grad.is_sparse else
+              f" of dtype {p.dtype}" if real and p.is_complex() else "")
       raise errors.BadArgumentError(
-          f"{name}: a parameter of shape {tuple(p.shape)} is on {p.device}"
-          f"{' with a sparse gradient' if p.grad.is_sparse else ''}; jb.optim.{name} updates "
-          f"XLA tensors with dense gradients. Use torch.optim.{name} for the others.")
+          f"{name}: a parameter of shape {tuple(p.shape)} is on {p.device}{what}; jb.optim.{name} "
+          f"updates real XLA tensors with dense gradients. Use torch.optim.{name} for the others.")
 
 
 def _take_values(params, new_values):
@@ -220,7 +222,7 @@ class AdamW(torch.optim.Optimizer):
     params, states, scalars, amsgrad, maximize = [], [], [], [], []
     for group in self.param_groups:
       with_grad = [p for p in group["params"] if p.grad is not None]
-      _check_xla("AdamW", with_grad)
+      _check_xla("AdamW", with_grad, real=True)
       lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
       beta1, beta2 = (float(b) for b in group["betas"])
       for p in with_grad:

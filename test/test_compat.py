@@ -90,6 +90,15 @@ def test_dlpack_cpu_import_shares_memory():
   np.testing.assert_array_equal(np.asarray(array), source.numpy())
 
 
+def test_replace_data_is_seen_through_aliases_after_an_in_place_op():
+  t = torch.nn.Parameter(torch.zeros(3, device="xla"))  # a plain tensor does not show the bug
+  with torch.no_grad():
+    t.copy_(torch.ones(3))  # as load_state_dict does
+  t.detach().cpu()  # an alias read before the replacement
+  _compat.replace_data(t, torch.full((3,), 7.0, device="xla"))
+  assert t.detach().cpu().tolist() == t.cpu().tolist() == [7.0] * 3
+
+
 def test_set_array_replaces_a_torchax_tensors_value():
   import torchax.tensor
 

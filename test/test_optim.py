@@ -1,9 +1,12 @@
-"""jb.optim.SGD: torch.optim.SGD's results with one graph node per parameter group."""
+"""jb.optim: SGD and AdamW against torch's optimizers (AdamW with clip_grad_norm_ and LambdaLR)
+on eager CPU, graph nodes, traces and compiles under a changing learning rate, state dicts into
+torch's optimizers and back, the schedule helpers."""
 import copy
 
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
 
 import torch_xla_jaxbridge as jb
 
@@ -112,3 +115,163 @@ def test_without_momentum_the_state_stays_empty_as_in_torch(dev):
   ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
   train(ref_model, ref, 1, dev)
   assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}
+
+
+def two_groups(model, **second):
+  return [{"params": model[0].parameters()}, {"params": model[2].parameters(), **second}]
+
+
+def adamw_run(make, dev, steps=10, clip=None, factor=None, start=None):
+  """(params, per-step grad norms) after `steps` AdamW steps of the MLP on `dev`; jb's AdamW on
+  XLA, torch's (with clip_grad_norm_ when `clip`) otherwise. `start`: (model, optimizer) to go on
+  from instead of a fresh model."""
+  model, opt = start or (None, None)
+  if model is None:
+    model = mlp(dev)
+    opt = make(model)
+  schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor) if factor else None
+  xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+  norms = []
+  for x in xs:
+    opt.zero_grad()
+    model(x.to(dev)).square().mean().backward()
+    if isinstance(opt, jb.optim.AdamW):
+      opt.step()
+      norms.append(opt.grad_norm)
+    else:
+      norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
+      opt.step()
+    if schedule is not None:
+      schedule.step()
+    torch_xla.sync()
+  return [p.detach().cpu() for p in model.parameters()], [n.cpu() for n in norms]
+
+
+ADAMW_CASES = {
+    "default": (lambda m: m.parameters(), dict(lr=0.01), None, None),
+    "weight_decay_amsgrad": (lambda m: m.parameters(),
+                             dict(lr=0.02, weight_decay=0.1, amsgrad=True), None, None),
+    "maximize_betas_eps_two_groups": (
+        lambda m: two_groups(m, lr=0.003, betas=(0.5, 0.9), amsgrad=True, weight_decay=0.0),
+        dict(lr=0.01, betas=(0.8, 0.99), eps=1e-3, maximize=True), None, None),
+    "clipping_warmup_cosine": (lambda m: m.parameters(), dict(lr=0.05), 0.05,
+                               jb.optim.warmup_cosine(3, 10, min_ratio=0.1)),
+    "clipping_two_groups_warmup_linear": (lambda m: two_groups(m, lr=0.02), dict(lr=0.05), 0.1,
+                                          jb.optim.warmup_linear(2, 10)),
+}
+
+
+@pytest.mark.parametrize("case", ADAMW_CASES)
+def test_adamw_matches_torch_adamw_with_clip_grad_norm_and_lambda_lr(dev, case):
+  groups, options, clip, factor = ADAMW_CASES[case]
+  ours, our_norms = adamw_run(lambda m: jb.optim.AdamW(groups(m), max_grad_norm=clip, **options),
+                              dev, clip=clip, factor=factor)
+  ref, ref_norms = adamw_run(lambda m: torch.optim.AdamW(groups(m), **options), "cpu", clip=clip,
+                             factor=factor)
+  for a, b in zip(ours, ref):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+  torch.testing.assert_close(torch.stack(our_norms), torch.stack(ref_norms), rtol=1e-6, atol=0)
+  if clip is not None:  # the clipping was active
+    assert sum(n > clip for n in ref_norms) >= 5
+
+
+def test_adamw_ten_steps_of_a_changing_lr_trace_once_and_compile_twice(dev):
+  model = mlp(dev)
+  opt = jb.optim.AdamW(two_groups(model, amsgrad=True), lr=0.01, max_grad_norm=0.5)
+  schedule = torch.optim.lr_scheduler.LambdaLR(opt, jb.optim.warmup_cosine(3, 10))
+  compiles = met.metric_data("CompileTime")[0] if met.metric_data("CompileTime") else 0
+  lrs = []
+  for step in range(10):
+    opt.zero_grad()
+    model(torch.full((2, 6), float(step)).to(dev)).square().mean().backward()
+    opt.step()
+    lrs.append(opt.param_groups[0]["lr"])
+    schedule.step()
+    torch_xla.sync()
+  assert len(set(lrs)) == 10
+  assert jb.cache_info().misses == 1  # the one trace of adamw_step
+  # the first step's graph makes the zero moments, later ones read them: two graphs in all
+  assert met.metric_data("CompileTime")[0] - compiles == 2
+
+
+def test_adamw_is_one_graph_node_and_its_grad_norm_needs_no_sync(dev):
+  model = mlp(dev)
+  opt = jb.optim.AdamW(two_groups(model, lr=0.1, weight_decay=0.0), lr=0.01, max_grad_norm=1.0)
+  schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # torch's own scheduler
+  model(torch.ones(2, 6, device=dev)).sum().backward()
+  executions = met.metric_data("ExecuteTime")[0] if met.metric_data("ExecuteTime") else 0
+  opt.step()
+  schedule.step()
+  assert (met.metric_data("ExecuteTime") or (0,))[0] == executions  # nothing ran on the device
+  ir = torch_xla._XLAC._get_xla_tensors_text([*model.parameters(), opt.grad_norm])
+  assert ir.count("xla::adamw_step") == 1  # both groups and the clipping: one node
+  assert opt.grad_norm.device.type == "xla" and opt.grad_norm.shape == ()
+  torch_xla.sync()
+  assert [g["lr"] for g in opt.param_groups] == [0.005, 0.05]
+
+
+def test_adamw_state_dict_has_torch_layout_and_loads_into_torch_adamw_and_back(dev):
+  make = lambda m: two_groups(m, lr=0.02, amsgrad=True)  # noqa: E731
+  ours_model = mlp(dev)
+  ours = jb.optim.AdamW(make(ours_model), lr=0.01, weight_decay=0.1)
+  adamw_run(None, dev, steps=3, start=(ours_model, ours))
+  ref_model = mlp("cpu")
+  ref = torch.optim.AdamW(make(ref_model), lr=0.01, weight_decay=0.1)
+  adamw_run(None, "cpu", steps=3, start=(ref_model, ref))
+  saved, expected = ours.state_dict(), ref.state_dict()
+  assert saved["state"].keys() == expected["state"].keys()
+  for i, state in saved["state"].items():
+    assert state.keys() == expected["state"][i].keys()  # step, exp_avg, exp_avg_sq, max_exp_avg_sq
+    step = state["step"]
+    assert step.device.type == "cpu" and step.dtype == torch.float32 and float(step) == 3
+  assert all(set(g) <= set(e) for g, e in zip(saved["param_groups"], expected["param_groups"]))
+
+  # ours -> torch's on the CPU: both go on with the same numbers (the one that loaded first:
+  # torch increments its steps in place, which must not reach the other's)
+  torch_model = copy.deepcopy(ours_model).cpu()
+  to_torch = torch.optim.AdamW(make(torch_model), lr=0.01)
+  to_torch.load_state_dict(saved)
+  went_on = adamw_run(None, "cpu", steps=3, start=(torch_model, to_torch))[0]
+  for a, b in zip(went_on, adamw_run(None, dev, steps=3, start=(ours_model, ours))[0]):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+  # torch's -> ours: the same
+  jb_model = copy.deepcopy(ref_model).to(dev)
+  to_jb = jb.optim.AdamW(make(jb_model), lr=0.01)
+  to_jb.load_state_dict(ref.state_dict())
+  went_on = adamw_run(None, "cpu", steps=3, start=(ref_model, ref))[0]
+  for a, b in zip(went_on, adamw_run(None, dev, steps=3, start=(jb_model, to_jb))[0]):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_bad_input_says_what_to_do(dev):
+  with pytest.raises(jb.errors.BadArgumentError, match=r"max_grad_norm=0; give a positive norm"):
+    jb.optim.AdamW(mlp(dev).parameters(), max_grad_norm=0)
+  with pytest.raises(jb.errors.BadArgumentError, match=r"needs lr, eps, weight_decay >= 0"):
+    jb.optim.AdamW(mlp(dev).parameters(), lr=-1e-3)
+  cpu_model = torch.nn.Linear(2, 2)
+  opt = jb.optim.AdamW(cpu_model.parameters())
+  cpu_model(torch.ones(1, 2)).sum().backward()
+  with pytest.raises(jb.errors.BadArgumentError, match="Use torch.optim.AdamW"):
+    opt.step()
+  complex_param = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64, device=dev))
+  complex_param.grad = torch.ones_like(complex_param)
+  with pytest.raises(jb.errors.BadArgumentError, match=r"dtype torch.complex64; .* Use torch.optim"):
+    jb.optim.AdamW([complex_param]).step()
+  with pytest.raises(jb.errors.BadArgumentError, match="0 <= warmup_steps <= total_steps"):
+    jb.optim.warmup_cosine(20, 10)
+
+
+@pytest.mark.parametrize("make", [lambda ps: jb.optim.SGD(ps, lr=0.1),
+                                  lambda ps: jb.optim.AdamW(ps, lr=0.1)], ids=["SGD", "AdamW"])
+def test_an_update_after_load_state_dict_reaches_the_state_dict(dev, make):
+  model = mlp(dev)
+  opt = make(model.parameters())
+  model.load_state_dict({k: v.cpu() + 1 for k, v in model.state_dict().items()})  # copy_ each
+  loaded = {k: v.cpu() for k, v in model.state_dict().items()}
+  model(torch.ones(2, 6, device=dev)).sum().backward()
+  opt.step()
+  torch_xla.sync()
+  for key, value in model.state_dict().items():  # state_dict reads detached aliases
+    assert not torch.equal(value.cpu(), loaded[key]), key
+    torch.testing.assert_close(value.cpu(), dict(model.named_parameters())[key].detach().cpu())

@@ -25,8 +25,16 @@ def test_defaults_model_file_and_overrides():
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", r"train.stepz: unknown key 'stepz' in train; valid keys: batch, "
-                      r"checkpoint_every, data, log_every, lr, master_weights, optimizer, seed, "
-                      r"seq, steps, sync_each_step, weight_decay"),
+                      r"checkpoint_every, data, log_every, lr, master_weights, max_grad_norm, "
+                      r"optimizer, schedule, seed, seq, steps, sync_each_step, warmup_steps, "
+                      r"weight_decay"),
+    ("train.optimizer=adam", r"train.optimizer: 'adam' is not valid; choose one of adamw, "
+                             r"torch-adamw, sgd"),
+    ("train.schedule=step", r"train.schedule: 'step' is not valid; choose one of constant, cosine"),
+    ("train.warmup_steps=-1", r"train.warmup_steps: must be between 0 and train.steps \(200\), "
+                              r"got -1"),
+    ("train.warmup_steps=201", r"train.warmup_steps: must be between 0 and train.steps \(200\)"),
+    ("train.max_grad_norm=-1", r"train.max_grad_norm: must be > 0 \(or null or 0: no clipping\)"),
     ("trian.steps=3", r"trian.steps: unknown key 'trian' in the top level; valid keys: mesh, "
                       r"model, out, remat, resume, train"),
     ("train.steps=many", r"train.steps: expected int \(like 200\), got str 'many'"),
@@ -103,6 +111,20 @@ def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, override
   assert lazy_tensor_losses[2] < lazy_tensor_losses[0]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps_run"] == 3 and summary["residual_bytes_per_layer"] > 0
+
+
+def test_jb_adamw_losses_match_torch_adamw_with_clipping_and_schedule(recipe_run):
+  schedule = ("train.schedule=cosine", "train.warmup_steps=1")  # default max_grad_norm: 1.0
+  ours, out = recipe_run(*schedule)  # default train.optimizer: adamw
+  torch_losses, torch_out = recipe_run(*schedule, "train.optimizer=torch-adamw")
+  assert ours == pytest.approx(torch_losses, rel=1e-5)
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  torch_rows = [json.loads(line) for line in (torch_out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["lr"] for r in rows] == [r["lr"] for r in torch_rows] == pytest.approx(
+      [0.003 * 0.5, 0.003, 0.003 * 0.5])  # warmup, then cosine to 0 at step 3
+  assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in torch_rows],
+                                                         rel=1e-5)
+  assert rows[0]["grad_norm"] > 1.0  # the clipping was active
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path):

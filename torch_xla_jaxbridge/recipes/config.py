@@ -10,6 +10,8 @@ from torch_xla_jaxbridge.recipes.llama import ATTENTION, CHECKPOINT_NAMES, DTYPE
 from torch_xla_jaxbridge.remat import PRESETS
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
+OPTIMIZERS = ("adamw", "torch-adamw", "sgd")  # train.optimizer: jb.optim.AdamW, torch's, jb's SGD
+SCHEDULES = ("constant", "cosine", "linear")  # train.schedule after train.warmup_steps
 
 
 class ConfigError(errors.BridgeError, ValueError):
@@ -80,9 +82,12 @@ def _set(cfg, key, value):
       node = node[part]
 
 
+_NULLABLE = ("train.max_grad_norm",)  # keys with a non-null default that also take null
+
+
 def _typed(key, default, value):
   """`value` checked against the type of the default it replaces."""
-  if default is None:
+  if default is None or (value is None and key in _NULLABLE):
     return value
   if isinstance(default, bool) or isinstance(value, bool):
     if isinstance(default, bool) and isinstance(value, bool):
@@ -100,7 +105,8 @@ def _typed(key, default, value):
 def check(cfg):
   """Raises ConfigError for values the recipe cannot run, naming the key and the valid choices."""
   train, remat, model, mesh = cfg["train"], cfg["remat"], cfg["model"], cfg["mesh"]
-  _choice("train.optimizer", train["optimizer"], ("adamw",))
+  _choice("train.optimizer", train["optimizer"], OPTIMIZERS)
+  _choice("train.schedule", train["schedule"], SCHEDULES)
   _choice("train.data", train["data"], ("corpus", "synthetic"))
   _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
   _choice("model.dtype", model["dtype"], DTYPES)
@@ -133,8 +139,7 @@ def check(cfg):
   for key in ("batch", "seq", "steps", "log_every"):
     _at_least(f"train.{key}", train[key], 1)
   _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
-  _positive("train.lr", train["lr"])
-  _at_least("train.weight_decay", train["weight_decay"], 0)
+  _check_optimizer(train)
   _check_data(train, model)
   _check_mesh(mesh, train)
   _check_model(model)
@@ -180,6 +185,18 @@ def _at_least(key, value, low):
 def _positive(key, value):
   if not value > 0:  # also refuses nan
     raise ConfigError(f"{key}: must be greater than 0, got {value}.")
+
+
+def _check_optimizer(train):
+  """Learning rate, weight decay, clipping norm and warmup the optimizer and schedule can run."""
+  _positive("train.lr", train["lr"])
+  _at_least("train.weight_decay", train["weight_decay"], 0)
+  if train["max_grad_norm"] is not None and train["max_grad_norm"] < 0:
+    raise ConfigError(f"train.max_grad_norm: must be > 0 (or null or 0: no clipping), got "
+                      f"{train['max_grad_norm']}.")
+  if not 0 <= train["warmup_steps"] <= train["steps"]:
+    raise ConfigError(f"train.warmup_steps: must be between 0 and train.steps ({train['steps']}), "
+                      f"got {train['warmup_steps']}.")
 
 
 def _check_mesh(mesh, train):

@@ -2,7 +2,8 @@
 
 Builds the configured model on `torch_xla.device()` (with `mesh.fsdp * mesh.tensor > 1`: SPMD,
 parameters and batches sharded over the mesh), bridges or scans its decoder layers with the
-configured remat policy, trains with AdamW, one `torch_xla.sync()` per step (in the input loader,
+configured remat policy, trains with the configured optimizer (`jb.optim.AdamW` by default,
+with gradient clipping and a learning-rate schedule), one `torch_xla.sync()` per step (in the input loader,
 torch_xla's `MpDeviceLoader`), without waiting for the device: losses are read by asynchronous
 step closures every `train.log_every` steps, so the host traces a step while the previous one
 runs. Writes per-step metrics (`recipes.metrics`), progress lines with an ETA and a summary;
@@ -70,6 +71,54 @@ def _keep_metrics_until(path, step):
   path.write_text("".join(rows))
 
 
+def make_optimizer(params, t):
+  """The optimizer `train.optimizer` names, with the `train` section's lr, weight decay and (for
+  jb.optim.AdamW, which clips inside its step) max_grad_norm.
+
+  Example:
+    >>> type(make_optimizer(torch.nn.Linear(2, 2).parameters(), config.load()["train"])).__name__
+    'AdamW'
+  """
+  lr, weight_decay = t["lr"], t["weight_decay"]
+  if t["optimizer"] == "adamw":
+    return jb.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                          max_grad_norm=t["max_grad_norm"] or None)
+  if t["optimizer"] == "torch-adamw":
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+  return jb.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def make_schedule(optimizer, t, start=0):
+  """`LambdaLR` for `train.warmup_steps` then `train.schedule`, at step `start` (a resumed run
+  goes on with the learning rate of its step; the base rate is `train.lr`).
+
+  Example:
+    >>> t = config.load(["train.steps=10", "train.warmup_steps=4"])["train"]
+    >>> optimizer = make_optimizer(torch.nn.Linear(2, 2).parameters(), t)
+    >>> round(make_schedule(optimizer, t, start=2).get_last_lr()[0] / t["lr"], 2)
+    0.6
+  """
+  factor = {"constant": lambda warmup, steps: jb.optim.warmup_constant(warmup),
+            "cosine": jb.optim.warmup_cosine,
+            "linear": jb.optim.warmup_linear}[t["schedule"]](t["warmup_steps"], t["steps"])
+  for group in optimizer.param_groups:
+    group["initial_lr"] = t["lr"]
+  return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start - 1)
+
+
+def optimizer_step(optimizer, schedule, model, t):
+  """One step of `optimizer` (torch's optimizers after `clip_grad_norm_` when
+  `train.max_grad_norm` is set), then of `schedule`; returns (the gradients' norm before
+  clipping as an XLA tensor, None where nothing computed it; the learning rate of this step)."""
+  lr = optimizer.param_groups[0]["lr"]
+  norm = None
+  if not isinstance(optimizer, jb.optim.AdamW) and t["max_grad_norm"]:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
+  optimizer.step()
+  schedule.step()
+  return (optimizer.grad_norm if isinstance(optimizer, jb.optim.AdamW) else norm), lr
+
+
 def train(cfg, *, log=print):
   """Runs the configured training; returns the list of per-step losses of this run.
 
@@ -82,10 +131,7 @@ def train(cfg, *, log=print):
   out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
-
-  def make(params):
-    return torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
-
+  make = lambda params: make_optimizer(params, t)  # noqa: E731
   optimizer = (precision.master_weights(model.parameters(), make) if t["master_weights"]
                else make(model.parameters()))
   start = 0
@@ -94,6 +140,7 @@ def train(cfg, *, log=print):
     start = checkpoint.load(found, model, optimizer)
     _keep_metrics_until(out / "metrics.jsonl", start)
     log(f"resumed from {found} at step {start}")
+  schedule = make_schedule(optimizer, t, start)
   peak, said = metrics.peak_flops(metrics.device_kind(), cfg["model"].get("dtype", "float32"),
                                   xr.global_runtime_device_count())
   log(said)
@@ -109,10 +156,9 @@ def train(cfg, *, log=print):
       logits = model(inputs)
       loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
       loss.backward()
-      optimizer.step()
+      grad_norm, lr = optimizer_step(optimizer, schedule, model, t)
       optimizer.zero_grad()
-      reads.add(step, began, loss, getattr(optimizer, "grad_norm", None),
-                optimizer.param_groups[0]["lr"])
+      reads.add(step, began, loss, grad_norm, lr)
       if t["sync_each_step"]:
         torch_xla.sync()
         loss.item()  # the host waits for the device

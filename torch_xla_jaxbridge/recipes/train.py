@@ -289,8 +289,11 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
     residuals = jb.saved_residuals(layer, example, torch.arange(cfg["train"]["seq"]),
                                    remat=config.remat_setting(cfg))
   # rates after the first read window (it holds the compiles), unless there is only one
-  steady = [r for r in rows if r["step"] > rows[0]["step"] + cfg["train"]["log_every"] - 1]
-  steady = steady or rows
+  # A read window's rates come from when its read ran; a run without a whole window after the
+  # first has no steady rate to report (its reads lag behind compiles).
+  every = cfg["train"]["log_every"]
+  steady = [r for r in rows if r["step"] > rows[0]["step"] + every - 1] if rows else []
+  steady = steady if len(steady) >= max(every, 2) else []
   median = lambda key: statistics.median(r[key] for r in steady) if steady else None  # noqa: E731
   overlaps = _overlaps_ms(rows)
   summary = {

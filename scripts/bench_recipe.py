@@ -20,6 +20,7 @@ import tempfile
 
 MODES = {
     "LazyTensor": ["remat.bridge=none"],
+    "LazyTensor + torch AdamW": ["remat.bridge=none", "train.optimizer=torch-adamw"],
     "BridgeModule per layer": ["remat.bridge=layers", "remat.stack_layers=false"],
     "scan_layers": ["remat.scan_layers=true", "remat.stack_layers=false"],
     "StackedLayers": ["remat.stack_layers=true", "remat.policy=null"],

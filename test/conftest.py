@@ -65,12 +65,23 @@ class SpmdRun:
     return code, self.stdout.read_text(), self.stderr.read_text()[-4000:]
 
 
-@pytest.fixture(scope="session")
-def facts(spmd_run):
-  """The JSON facts of the 4-device process (test_spmd.py, test_checkpoint.py)."""
-  code, stdout, stderr = spmd_run.wait()
+def _facts(run):
+  """The JSON facts a check script printed last, after it exited cleanly."""
+  code, stdout, stderr = run.wait()
   assert code == 0, stderr
   return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def facts(spmd_run):
+  """The facts of test/spmd_check.py (test_spmd.py, test_checkpoint.py)."""
+  return _facts(spmd_run)
+
+
+@pytest.fixture(scope="session")
+def shard_map_facts(shard_map_run):
+  """The facts of test/shard_map_check.py (test_shard_map.py)."""
+  return _facts(shard_map_run)
 
 
 def _started(request, tmp_path_factory, fixture, script):

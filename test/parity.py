@@ -36,3 +36,24 @@ def check_module(model, *inputs, dev, train=True, tol=1e-4, remat=None):
   for (name, p), (_, r) in zip(bridged.named_parameters(), ref.named_parameters()):
     assert rel_err(p.grad, r.grad) < tol, name
   return bridged, ref
+
+
+def part(facts, name):
+  """The facts of check `name` from a 4-device check script's JSON, failing with its traceback if
+  that check raised."""
+  found = facts[name]
+  assert "error" not in found, found.get("error")
+  return found
+
+
+def run_checks(checks, facts):
+  """Runs each check of a check script into `facts[name]`; a check that raises is reported there as
+  its traceback (so each test names its own failure) and the others still run."""
+  import traceback
+
+  for name, check in checks.items():
+    try:
+      facts[name] = check()
+    except Exception:
+      facts[name] = {"error": traceback.format_exc()}
+  return facts

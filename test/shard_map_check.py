@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import sys
-import traceback
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]
@@ -24,7 +23,7 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 from kernels import decoder_case, kernel_decoder  # noqa: E402
-from parity import rel_err  # noqa: E402
+from parity import rel_err, run_checks  # noqa: E402
 from torch_xla_jaxbridge.recipes import sharding  # noqa: E402
 
 P = jax.sharding.PartitionSpec
@@ -168,12 +167,7 @@ def main():
       "random": lambda: check_random(mesh, dev),
       "bad_input": lambda: check_bad_input(mesh, dev),
   }
-  for name, check in checks.items():
-    try:
-      facts[name] = check()
-    except Exception:  # reported, so each test names its own failure
-      facts[name] = {"error": traceback.format_exc()}
-  print(json.dumps(facts))
+  print(json.dumps(run_checks(checks, facts)))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import os
 import pathlib
 import shutil
 import sys
-import traceback
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]  # this checkout
@@ -25,7 +24,7 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 from models import MLP, DecoderLayer  # noqa: E402
-from parity import rel_err  # noqa: E402
+from parity import rel_err, run_checks  # noqa: E402
 from torch_xla_jaxbridge.recipes import config, sharding, train  # noqa: E402
 
 spec = torch_xla._XLAC._get_xla_sharding_spec
@@ -229,12 +228,7 @@ def main(out_dir):
       "recipe_resharded": lambda: check_recipe_resharded(out_dir),
       "recipe_flash": lambda: check_recipe_flash(pathlib.Path(out_dir) / "flash"),
   }
-  for name, check in checks.items():
-    try:
-      facts[name] = check()
-    except Exception:  # reported, so each test names its own failure
-      facts[name] = {"error": traceback.format_exc()}
-  print(json.dumps(facts))
+  print(json.dumps(run_checks(checks, facts)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ errors.
 The 4-device checks run in their own process (test/shard_map_check.py, started by conftest.py at
 session start, as test_spmd.py's are); each test asserts on its part.
 """
-import json
 import re
 
 import jax
@@ -17,22 +16,10 @@ import torch_xla.distributed.spmd as xs
 
 import torch_xla_jaxbridge as jb
 from kernels import decoder_case, kernel_decoder
+from parity import part
 from torch_xla_jaxbridge import errors
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def shard_map_facts(shard_map_run):
-  code, stdout, stderr = shard_map_run.wait()
-  assert code == 0, stderr
-  return json.loads(stdout.strip().splitlines()[-1])
-
-
-def part(facts, name):
-  found = facts[name]
-  assert "error" not in found, found.get("error")
-  return found
 
 
 def test_four_devices(shard_map_facts):

@@ -9,17 +9,12 @@ import pytest
 import torch
 
 import torch_xla_jaxbridge as jb
+from parity import part
 from torch_xla_jaxbridge import errors, spmd
 from torch_xla_jaxbridge.recipes import sharding
 
 TOL = 1e-4
 FSDP_ROW, FSDP_COL = "{devices=[4,1]0,1,2,3}", "{devices=[1,4]0,1,2,3}"
-
-
-def part(facts, name):
-  found = facts[name]
-  assert "error" not in found, found.get("error")
-  return found
 
 
 def test_four_devices(facts):

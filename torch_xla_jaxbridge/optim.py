@@ -60,10 +60,7 @@ class SGD(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """Updates every parameter that has a gradient; returns the closure's loss, if given."""
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
+    loss = _closure_loss(closure)
     for group in self.param_groups:
       params = [p for p in group["params"] if p.grad is not None]
       if params:
@@ -95,6 +92,14 @@ class SGD(torch.optim.Optimizer):
     if cached is None or cached[0] != value:
       cached = self._lr_tensors[id(group)] = (value, torch.tensor(value, device=like.device))
     return cached[1]
+
+
+def _closure_loss(closure):
+  """What `Optimizer.step(closure)` returns: the closure's loss, computed with gradients on."""
+  if closure is None:
+    return None
+  with torch.enable_grad():
+    return closure()
 
 
 def _check_xla(name, params, real=False):
@@ -215,10 +220,7 @@ class AdamW(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """Updates every parameter that has a gradient; returns the closure's loss, if given."""
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
+    loss = _closure_loss(closure)
     params, states, scalars, amsgrad, maximize = [], [], [], [], []
     for group in self.param_groups:
       with_grad = [p for p in group["params"] if p.grad is not None]

@@ -5,7 +5,8 @@ modes are alternated over `--rounds` rounds (these machines move +-30% between r
 run's `metrics.jsonl` (steps after `--warmup`): median step ms, median trace (host) ms, tokens/s,
 MFU when the recipe logs it; from the process: peak resident memory (`ru_maxrss`, host memory is
 device memory on XLA:CPU). Prints a table of medians with [min-max] over rounds and ratios against
-LazyTensor's tokens/s of the same round; writes JSON.
+LazyTensor's tokens/s of the same round (with the recipe's optimizer, and with torch's AdamW: plain
+torch_xla); writes JSON.
 
   python scripts/bench_recipe.py [--models llama-tiny llama-mid] [--rounds 3] [--steps 30]
                                  [--modes NAME ...] [--json scripts/out/bench_recipe.json]
@@ -19,14 +20,20 @@ import sys
 import tempfile
 
 MODES = {
-    "LazyTensor": ["remat.bridge=none"],
-    "LazyTensor + torch AdamW": ["remat.bridge=none", "train.optimizer=torch-adamw"],
+    "LazyTensor": ["remat.bridge=none", "remat.stack_layers=false"],
+    "LazyTensor + torch AdamW": ["remat.bridge=none", "remat.stack_layers=false",
+                                 "train.optimizer=torch-adamw"],
     "BridgeModule per layer": ["remat.bridge=layers", "remat.stack_layers=false"],
-    "scan_layers": ["remat.scan_layers=true", "remat.stack_layers=false"],
-    "StackedLayers": ["remat.stack_layers=true", "remat.policy=null"],
-    "StackedLayers remat=full": ["remat.stack_layers=true", "remat.policy=full"],
+    "scan_layers": ["remat.bridge=layers", "remat.scan_layers=true", "remat.stack_layers=false"],
+    "StackedLayers": ["remat.bridge=layers", "remat.stack_layers=true", "remat.policy=null"],
+    "StackedLayers remat=full": ["remat.bridge=layers", "remat.stack_layers=true",
+                                 "remat.policy=full"],
+    "step bridged, layers": ["remat.bridge=step", "remat.stack_layers=false"],
+    "step bridged, StackedLayers": ["remat.bridge=step", "remat.stack_layers=true"],
     "default config": [],
 }
+# tokens/s ratios: against LazyTensor with the same optimizer, and against plain torch_xla
+RATIOS = {"tokens_vs_lazytensor": "LazyTensor", "tokens_vs_torch_xla": "LazyTensor + torch AdamW"}
 SEQ = {"llama-tiny": None, "llama-mid": 256}  # None: the config's own
 
 
@@ -75,22 +82,23 @@ def main():
         row = {"round": round_, **run_once(model, mode, opts.steps, opts.warmup)}
         runs.append(row)
         print(json.dumps(row), flush=True)
-  for row in runs:  # ratio against LazyTensor of the same round and model
-    base = [r for r in runs if (r["round"], r["model"], r["mode"]) ==
-            (row["round"], row["model"], "LazyTensor")]
-    if base:
-      row["tokens_vs_lazytensor"] = row["tokens_per_s"] / base[0]["tokens_per_s"]
+  for row in runs:  # ratios against the baselines of the same round and model
+    for key, baseline in RATIOS.items():
+      base = [r for r in runs if (r["round"], r["model"], r["mode"]) ==
+              (row["round"], row["model"], baseline)]
+      if base:
+        row[key] = row["tokens_per_s"] / base[0]["tokens_per_s"]
     row["trace_share"] = row["trace_ms"] / row["step_ms"]
-  keys = ["step_ms", "trace_ms", "trace_share", "tokens_per_s", "tokens_vs_lazytensor", "mfu",
-          "peak_rss_mb", "last_loss"]
+  keys = ["step_ms", "trace_ms", "trace_share", "tokens_per_s", *RATIOS, "mfu", "peak_rss_mb",
+          "last_loss"]
   table = []
-  print(f"\n{'model':>11} {'mode':>26} " + " ".join(f"{k:>24}" for k in keys))
+  print(f"\n{'model':>11} {'mode':>28} " + " ".join(f"{k:>24}" for k in keys))
   for model in opts.models:
     for mode in opts.modes:
       mine = [r for r in runs if (r["model"], r["mode"]) == (model, mode)]
       cells = {k: spread([r[k] for r in mine]) for k in keys if all(k in r for r in mine)}
       table.append({"model": model, "mode": mode, **cells})
-      print(f"{model:>11} {mode:>26} " + " ".join(f"{cells.get(k, '-'):>24}" for k in keys))
+      print(f"{model:>11} {mode:>28} " + " ".join(f"{cells.get(k, '-'):>24}" for k in keys))
   os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
   with open(opts.json, "w") as f:
     json.dump({"rounds": opts.rounds, "steps": opts.steps, "warmup": opts.warmup, "modes": MODES,

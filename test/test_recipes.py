@@ -102,7 +102,8 @@ def lazy_tensor_losses(recipe_run):
     ("remat.policy=minimal_offloaded",), ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
     ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
     ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
-], ids=lambda o: " ".join(o) or "bridged")
+    ("remat.bridge=layers",), ("remat.bridge=layers", "remat.stack_layers=true"),
+], ids=lambda o: " ".join(o) or "bridged step")
 def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, overrides):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # offload on CPU warns; test_remat checks that warning
@@ -115,8 +116,9 @@ def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, override
 
 def test_jb_adamw_losses_match_torch_adamw_with_clipping_and_schedule(recipe_run):
   schedule = ("train.schedule=cosine", "train.warmup_steps=1")  # default max_grad_norm: 1.0
-  ours, out = recipe_run(*schedule)  # default train.optimizer: adamw
-  torch_losses, torch_out = recipe_run(*schedule, "train.optimizer=torch-adamw")
+  ours, out = recipe_run(*schedule)  # default: jb.optim.AdamW in the one-node step
+  torch_losses, torch_out = recipe_run(*schedule, "train.optimizer=torch-adamw",
+                                       "remat.bridge=layers")
   assert ours == pytest.approx(torch_losses, rel=1e-5)
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   torch_rows = [json.loads(line) for line in (torch_out / "metrics.jsonl").read_text().splitlines()]

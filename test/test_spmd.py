@@ -116,6 +116,14 @@ def test_recipe_fsdp4_matches_the_one_device_run(facts, one_device):
   assert all(s != "{replicated}" for s in shardings.values())  # every llama-tiny dim divides by 4
 
 
+def test_recipe_fsdp4_with_a_bridge_module_per_layer_matches_the_one_device_run(facts,
+                                                                              recipe_run):
+  one_device, _ = recipe_run("remat.bridge=layers")  # loss.backward() and optimizer.step()
+  found = part(facts, "recipe_layers")
+  assert found["losses"] == pytest.approx(one_device, rel=TOL)
+  assert all(s != "{replicated}" for s in found["param_shardings"].values())
+
+
 def test_recipe_fsdp4_with_scan_layers_matches_the_one_device_run(facts, recipe_run):
   one_device, _ = recipe_run("remat.scan_layers=true")
   found = part(facts, "recipe_scan")

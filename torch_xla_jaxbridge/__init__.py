@@ -32,10 +32,11 @@ from torch_xla_jaxbridge.inspection import lower_bridged, saved_residuals  # noq
 from torch_xla_jaxbridge.memory import MemoryReport, memory_report  # noqa: E402
 from torch_xla_jaxbridge.overrides import override_ops  # noqa: E402
 from torch_xla_jaxbridge.scan import StackedLayers, scan_layers  # noqa: E402
+from torch_xla_jaxbridge.train_step import train_step  # noqa: E402
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info", "clear_cache",
            "Remat", "checkpoint_name", "saved_residuals", "lower_bridged", "memory_report", "MemoryReport",
            "scan_layers", "StackedLayers", "fori_loop", "CacheInfo", "errors", "dlpack", "jaxify",
-           "jax_op", "optim", "spmd", "override_ops", "flash_attention"]
+           "jax_op", "optim", "spmd", "override_ops", "flash_attention", "train_step"]
 
 _dynamo_backend.register()

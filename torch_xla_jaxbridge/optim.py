@@ -102,12 +102,14 @@ def _closure_loss(closure):
     return closure()
 
 
-def _check_xla(name, params, real=False):
-  """Refuses parameters the one-node update cannot hold: not on XLA, a sparse gradient, or (with
-  `real`: an update that is not linear in the gradient) a complex dtype."""
+def _check_xla(name, params, real=False, grads=True):
+  """Refuses parameters the one-node update cannot hold: not on XLA, a sparse gradient (`grads`:
+  read from `p.grad`), or (with `real`: an update that is not linear in the gradient) a complex
+  dtype."""
   for p in params:
-    if not p.is_xla or p.grad.is_sparse or (real and p.is_complex()):
-      what = (" with a sparse gradient" if p.grad.is_sparse else
+    sparse = grads and p.grad.is_sparse
+    if not p.is_xla or sparse or (real and p.is_complex()):
+      what = (" with a sparse gradient" if sparse else
               f" of dtype {p.dtype}" if real and p.is_complex() else "")
       raise errors.BadArgumentError(
           f"{name}: a parameter of shape {tuple(p.shape)} is on {p.device}{what}; jb.optim.{name} "
@@ -200,9 +202,11 @@ class AdamW(torch.optim.Optimizer):
                                   amsgrad=amsgrad, maximize=maximize))
     self.max_grad_norm = max_grad_norm
     self.grad_norm: Optional[torch.Tensor] = None
+    self._train_step = None  # set by jb.train_step for the one step() call it makes
 
   def __setstate__(self, state):
     super().__setstate__(state)
+    self.__dict__.setdefault("_train_step", None)
     for group in self.param_groups:  # a state dict of another optimizer may lack these
       group.setdefault("amsgrad", False)
       group.setdefault("maximize", False)
@@ -220,28 +224,64 @@ class AdamW(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """Updates every parameter that has a gradient; returns the closure's loss, if given."""
+    if self._train_step is not None:  # jb.train_step's update, made in the step's own node
+      run, self._train_step = self._train_step, None
+      return run()
     loss = _closure_loss(closure)
-    params, states, scalars, amsgrad, maximize = [], [], [], [], []
+    params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+    _check_xla("AdamW", params, real=True)
+    self.grad_norm = None
+    if params:
+      states, scalars, flags = self._prepare(params)
+      scalars = scalars.to(params[0].device)  # one transfer
+      results = call.call_jax(
+          _adamw_update,
+          (params, [p.grad for p in params], *self._state_arrays(states, flags), scalars), flags,
+          name="adamw_step")
+      self._take(params, states, results)
+    return loss
+
+  def _prepare(self, params):
+    """For one step of `params` (in `param_groups` order, each with a gradient): their states
+    (step counts advanced), the step's scalars (a CPU tensor: learning rate, betas, eps, weight
+    decay and bias corrections per parameter, then max_grad_norm) and `_adamw_update`'s static
+    flags. `jb.train_step` calls it too."""
+    selected = {id(p) for p in params}
+    states, scalars, amsgrad, maximize = [], [], [], []
     for group in self.param_groups:
-      with_grad = [p for p in group["params"] if p.grad is not None]
-      _check_xla("AdamW", with_grad, real=True)
       lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
       beta1, beta2 = (float(b) for b in group["betas"])
-      for p in with_grad:
+      for p in group["params"]:
+        if id(p) not in selected:
+          continue
         state = self._state(p, group["amsgrad"])
         step = float(state["step"]) + 1
         state["step"] = torch.tensor(step, dtype=torch.float32)
         scalars += [-(lr / (1 - beta1**step)), (1 - beta2**step)**0.5, 1 - lr * weight_decay,
                     1 - beta1, beta2, 1 - beta2, eps]
-        params.append(p)
         states.append(state)
         amsgrad.append(bool(group["amsgrad"]))
         maximize.append(bool(group["maximize"]))
-    self.grad_norm = None
-    if params:
-      scalars.append(float(self.max_grad_norm or 0.0))
-      self._update(params, states, scalars, tuple(amsgrad), tuple(maximize))
-    return loss
+    scalars.append(float(self.max_grad_norm or 0.0))
+    flags = dict(amsgrad=tuple(amsgrad), maximize=tuple(maximize),
+                 clip=self.max_grad_norm is not None)
+    return states, torch.tensor(scalars, dtype=torch.float32), flags
+
+  @staticmethod
+  def _state_arrays(states, flags):
+    """`_adamw_update`'s state arguments: exp_avgs, exp_avg_sqs, max_exp_avg_sqs (None without
+    amsgrad)."""
+    return ([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] if a else None for s, a in zip(states, flags["amsgrad"])])
+
+  def _take(self, params, states, results):
+    """Parameters and states take the values `_adamw_update` returned; sets `grad_norm`."""
+    new_params, avgs, sqs, new_maxes, self.grad_norm = results
+    _take_values(params, new_params)
+    for state, m, v, v_max in zip(states, avgs, sqs, new_maxes):
+      state["exp_avg"], state["exp_avg_sq"] = m, v
+      if v_max is not None:
+        state["max_exp_avg_sq"] = v_max
 
   def _state(self, p, amsgrad):
     """The parameter's state, made as torch makes it on its first step."""
@@ -253,21 +293,6 @@ class AdamW(torch.optim.Optimizer):
     if amsgrad and "max_exp_avg_sq" not in state:
       state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
-
-  def _update(self, params, states, scalars, amsgrad, maximize):
-    scalars = torch.tensor(scalars, dtype=torch.float32).to(params[0].device)  # one transfer
-    maxes = [s["max_exp_avg_sq"] if a else None for s, a in zip(states, amsgrad)]
-    new_params, avgs, sqs, new_maxes, self.grad_norm = call.call_jax(
-        _adamw_update, (params, [p.grad for p in params],
-                        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], maxes,
-                        scalars),
-        dict(amsgrad=amsgrad, maximize=maximize, clip=self.max_grad_norm is not None),
-        name="adamw_step")
-    _take_values(params, new_params)
-    for state, m, v, v_max in zip(states, avgs, sqs, new_maxes):
-      state["exp_avg"], state["exp_avg_sq"] = m, v
-      if v_max is not None:
-        state["max_exp_avg_sq"] = v_max
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int,

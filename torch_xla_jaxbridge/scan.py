@@ -210,12 +210,18 @@ def _stack_over(layers, name, kind, requires_grad):
 
 
 def _per_layer_keys(module, state_dict, prefix, local_metadata):
-  """state_dict hook: the stacked `layer.<name>` entries as the layer list's `<i>.<name>`."""
+  """state_dict hook: the stacked `layer.<name>` entries as the layer list's `<i>.<name>`. An XLA
+  stack's slices are computed in one program, as tensors of their own (a reader of views such as
+  torch.distributed.checkpoint would run and compile a program per slice)."""
   stacks = {key[len(prefix + "layer."):]: state_dict.pop(key)
             for key in [k for k in state_dict if k.startswith(prefix + "layer.")]}
+  slices = []
   for i in range(module.count):
     for name, stack in stacks.items():
-      state_dict[f"{prefix}{i}.{name}"] = stack[i]
+      state_dict[f"{prefix}{i}.{name}"] = stack[i].clone() if stack.is_xla else stack[i]
+      slices.append(state_dict[f"{prefix}{i}.{name}"])
+  if any(t.is_xla for t in slices):
+    _compat.xlac()._xla_sync_multi([t for t in slices if t.is_xla], [], True)
 
 
 def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,

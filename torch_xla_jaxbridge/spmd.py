@@ -437,8 +437,9 @@ def spmd_enabled():
 
 
 def shardings_of(tensors):
-  """Each XLA tensor's torch_xla `OpSharding` (None where it has none), or None when SPMD is off
-  or no tensor is sharded: what `shard_like` gives the gradients.
+  """Each XLA tensor's torch_xla `OpSharding` (None where it has none, or for a tensor traced inside
+  bridged code), or None when SPMD is off or no tensor is sharded: what `shard_like` gives the
+  gradients.
 
   Example:
     >>> shardings_of([torch.ones(2, device="xla")]) is None  # without SPMD
@@ -447,7 +448,7 @@ def shardings_of(tensors):
   if not spmd_enabled():
     return None
   get = _compat.xlac()._get_xla_op_sharding
-  found = tuple(get(t) for t in tensors)
+  found = tuple(get(t) if t.is_xla else None for t in tensors)  # traced ones have none yet
   return found if any(s is not None for s in found) else None
 
 

@@ -12,6 +12,7 @@ from torch_xla_jaxbridge.remat import PRESETS
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 OPTIMIZERS = ("adamw", "torch-adamw", "sgd")  # train.optimizer: jb.optim.AdamW, torch's, jb's SGD
 SCHEDULES = ("constant", "cosine", "linear")  # train.schedule after train.warmup_steps
+BRIDGES = ("step", "layers", "none")  # remat.bridge: how much of a step is bridged
 
 
 class ConfigError(errors.BridgeError, ValueError):
@@ -113,12 +114,17 @@ def check(cfg):
   if train["master_weights"] and model["dtype"] == "float32":
     raise ConfigError("train.master_weights=true keeps float32 copies of low-precision parameters, "
                       "but model.dtype is float32; set model.dtype=bfloat16 or drop master_weights.")
-  _choice("remat.bridge", remat["bridge"], ("layers", "none"))
+  _choice("remat.bridge", remat["bridge"], BRIDGES)
+  if remat["bridge"] == "step" and train["optimizer"] != "adamw":
+    raise ConfigError(f"train.optimizer={train['optimizer']}: remat.bridge=step runs the whole "
+                      f"step (loss, gradients and jb.optim.AdamW's update) as one graph node; "
+                      f"use train.optimizer=adamw, or remat.bridge=layers with "
+                      f"{train['optimizer']}.")
   _choice("model.attention", model["attention"], tuple(ATTENTION))
   if model["attention"] != "reference" and remat["bridge"] == "none":
     raise ConfigError(f"model.attention={model['attention']} replaces attention inside bridged "
                       f"layers, and remat.bridge=none runs plain LazyTensor layers, which would "
-                      f"keep the reference attention; use remat.bridge=layers or "
+                      f"keep the reference attention; use remat.bridge=step (or layers) or "
                       f"model.attention=reference.")
   if remat["policy"] is not None:
     _choice("remat.policy", remat["policy"], PRESETS)
@@ -132,7 +138,7 @@ def check(cfg):
   if remat["bridge"] == "none" and (wants_remat or remat["scan_layers"] or
                                     remat["stack_layers"]):
     raise ConfigError("remat.bridge=none runs plain LazyTensor layers: remat.policy, save, "
-                      "offload, scan_layers and stack_layers need remat.bridge=layers.")
+                      "offload, scan_layers and stack_layers need remat.bridge=step or layers.")
   if remat["scan_layers"] and remat["stack_layers"]:
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")

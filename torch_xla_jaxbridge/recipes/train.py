@@ -51,9 +51,43 @@ def prepare(cfg, device):
                                                    cfg["model"]["kv_heads"])
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
-  elif cfg["remat"]["bridge"] == "layers" and not cfg["remat"]["stack_layers"]:
+  elif cfg["remat"]["bridge"] != "none" and not cfg["remat"]["stack_layers"]:
     model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
   return model
+
+
+def make_step(cfg, model, optimizer):
+  """One training step on a batch: returns (loss, the gradients' norm before clipping or None,
+  the learning rate of the step), all without waiting for the device. With `remat.bridge=step`
+  the whole step is one graph node (`jb.train_step`); otherwise forward, `loss.backward()` and
+  the optimizer's step.
+
+  Example:
+    >>> cfg = config.load(["train.steps=1"])
+    >>> model = prepare(cfg, torch_xla.device())
+    >>> optimizer = make_optimizer(model.parameters(), cfg["train"])
+    >>> step = make_step(cfg, model, optimizer)
+  """
+  t = cfg["train"]
+  loss_of = lambda inputs, targets: torch.nn.functional.cross_entropy(  # noqa: E731
+      model(inputs).flatten(0, 1), targets.flatten())
+  if cfg["remat"]["bridge"] == "step":
+    fused = jb.train_step(loss_of, optimizer)
+
+    def step(inputs, targets, schedule):
+      lr = optimizer.param_groups[0]["lr"]
+      loss = fused(inputs, targets)
+      schedule.step()
+      return loss, optimizer.grad_norm, lr
+    return step
+
+  def step(inputs, targets, schedule):
+    loss = loss_of(inputs, targets)
+    loss.backward()
+    grad_norm, lr = optimizer_step(optimizer, schedule, model, t)
+    optimizer.zero_grad()
+    return loss, grad_norm, lr
+  return step
 
 
 def _keep_metrics_until(path, step):
@@ -147,17 +181,14 @@ def train(cfg, *, log=print):
   before = (met.metric_data("CompileTime") or (0,))[0], _graphs()
   batches = data.Batches(start, t["steps"], batch=t["batch"], seq=t["seq"], seed=t["seed"],
                          source=t["data"], vocab=cfg["model"]["vocab"])
+  step_fn = make_step(cfg, model, optimizer)
   loader = pl.MpDeviceLoader(batches, device, input_sharding=sharding.batch_sharding(mesh))
   with metrics.MetricsLog(out, append=found is not None) as sink:
     reads = _Readback(cfg, sink, peak, log)
     # The loader's next() calls torch_xla.sync(): a step runs while the next one is traced.
     for step, (inputs, targets) in enumerate(loader, start + 1):
       began = time.perf_counter()
-      logits = model(inputs)
-      loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-      loss.backward()
-      grad_norm, lr = optimizer_step(optimizer, schedule, model, t)
-      optimizer.zero_grad()
+      loss, grad_norm, lr = step_fn(inputs, targets, schedule)
       reads.add(step, began, loss, grad_norm, lr)
       if t["sync_each_step"]:
         torch_xla.sync()

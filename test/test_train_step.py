@@ -1,0 +1,132 @@
+"""jb.train_step: loss, gradients and jb.optim.AdamW's update as one graph node, against eager CPU
+torch (AdamW, clip_grad_norm_, LambdaLR); one node, one trace under a changing learning rate;
+buffers written back; fresh randomness; optimizer hooks and schedulers; errors."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_jaxbridge as jb
+
+
+def model_on(dev):
+  torch.manual_seed(0)
+  return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.BatchNorm1d(8),
+                             torch.nn.Linear(8, 3)).to(dev)
+
+
+def groups(model):  # the second group lists the last layer first: not the order the loss reads
+  return [{"params": model[3].parameters(), "lr": 0.02, "weight_decay": 0.0},
+          {"params": [*model[2].parameters(), *model[0].parameters()], "amsgrad": True}]
+
+
+def batches(steps):
+  gen = torch.Generator().manual_seed(3)
+  return [(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen))
+          for _ in range(steps)]
+
+
+def loss_of(model):
+  return lambda x, y: (model(x) - y).square().mean()
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_matches_eager_cpu_adamw_with_clipping_and_a_schedule(dev, clip):
+  cpu_model = model_on("cpu")
+  xla_model = copy.deepcopy(cpu_model).to(dev)
+  options = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.95))
+  ref = torch.optim.AdamW(groups(cpu_model), **options)
+  ours = jb.optim.AdamW(groups(xla_model), max_grad_norm=clip, **options)
+  schedules = [torch.optim.lr_scheduler.LambdaLR(o, jb.optim.warmup_cosine(2, 6))
+               for o in (ref, ours)]
+  step = jb.train_step(loss_of(xla_model), ours)
+  ref_losses, ref_norms, losses, norms = [], [], [], []
+  for x, y in batches(6):
+    ref.zero_grad()
+    loss = loss_of(cpu_model)(x, y)
+    loss.backward()
+    ref_norms.append(torch.nn.utils.clip_grad_norm_(cpu_model.parameters(), clip or float("inf")))
+    ref.step()
+    ref_losses.append(loss.detach())
+    losses.append(step(x.to(dev), y.to(dev)))
+    norms.append(ours.grad_norm)
+    for schedule in schedules:
+      schedule.step()
+    torch_xla.sync()
+  torch.testing.assert_close(torch.stack([l.cpu() for l in losses]), torch.stack(ref_losses))
+  torch.testing.assert_close(torch.stack([n.cpu() for n in norms]), torch.stack(ref_norms))
+  if clip is not None:
+    assert all(n > clip for n in ref_norms)  # clipping was active every step
+  for (name, a), b in zip(xla_model.state_dict().items(), cpu_model.state_dict().values()):
+    torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6, msg=name)  # buffers too
+  assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+  for a, b in zip(ours.state_dict()["state"].values(), ref.state_dict()["state"].values()):
+    for key in b:
+      torch.testing.assert_close(a[key].cpu(), b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_one_graph_node_one_trace_while_the_learning_rate_changes(dev):
+  model = model_on(dev)
+  opt = jb.optim.AdamW(model.parameters(), lr=0.01, max_grad_norm=1.0)
+  schedule = torch.optim.lr_scheduler.LambdaLR(opt, jb.optim.warmup_linear(2, 5))
+  step = jb.train_step(loss_of(model), opt)
+  for i, (x, y) in enumerate(batches(5)):
+    loss = step(x.to(dev), y.to(dev))
+    if i == 1:  # (the first step also makes the zero moments)
+      ir = torch_xla._XLAC._get_xla_tensors_text([loss, opt.grad_norm, *model.parameters()])
+      ops = [line.split(" = ")[1] for line in ir.splitlines() if " = " in line]
+      nodes = [op for op in ops if "device_data()" not in op]
+      assert len(nodes) == 1 and "xla::_lambda__train_step(" in nodes[0]  # nothing else
+    schedule.step()
+    torch_xla.sync()
+  assert jb.cache_info().misses == 1
+  assert all(p.grad is None for p in model.parameters())  # gradients stay inside the node
+
+
+def test_an_optimizer_step_for_hooks_and_schedulers(dev):
+  model = model_on(dev)
+  opt = jb.optim.AdamW(model.parameters(), lr=0.01)
+  calls = []
+  opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(optimizer))
+  schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+  step = jb.train_step(loss_of(model), opt)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # torch warns when a scheduler steps before the optimizer
+    for x, y in batches(2):
+      step(x.to(dev), y.to(dev))
+      schedule.step()
+  assert calls == [opt, opt]
+  assert opt.param_groups[0]["lr"] == 0.0025
+
+
+def test_randomness_is_fresh_each_step_and_follows_the_seed(dev):
+  def run():
+    torch.manual_seed(0)
+    torch_xla.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(6, 1)).to(dev)
+    opt = jb.optim.AdamW(model.parameters(), lr=0.0)  # the weights stay: only the masks differ
+    step = jb.train_step(lambda x: model(x).sum(), opt)
+    x = torch.ones(4, 6, device=dev)
+    return [step(x).item() for _ in range(3)]
+
+  first = run()
+  assert len(set(first)) == 3
+  assert run() == first
+
+
+def test_bad_input_says_what_to_do(dev):
+  model = model_on(dev)
+  with pytest.raises(jb.errors.BadArgumentError, match="Use jb.optim.AdamW, or call "
+                     "loss.backward\\(\\) and optimizer.step\\(\\)"):
+    jb.train_step(loss_of(model), torch.optim.AdamW(model.parameters()))
+  opt = jb.optim.AdamW(model.parameters())
+  x, y = (t.to(dev) for t in batches(1)[0])
+  with pytest.raises(jb.errors.BridgeError, match="must return the loss, one floating-point "
+                     "scalar tensor"):
+    jb.train_step(lambda x, y: (model(x) - y).square(), opt)(x, y)
+  other = torch.nn.Linear(6, 3).to(dev)
+  with pytest.raises(jb.errors.BadArgumentError, match="none of the tensors .* is a parameter of "
+                     "the optimizer"):
+    jb.train_step(lambda x, y: (other(x) - y).square().mean(), opt)(x, y)

@@ -1,0 +1,123 @@
+"""`train_step`: a training step (loss, gradients, optimizer update) as one graph node.
+
+The loss function is torch code, traced once through torchax like any bridged function; its
+gradients are `jax.value_and_grad`'s and `jb.optim.AdamW`'s update runs in the same JAX function,
+so a step adds one `call_jax` node to the LazyTensor graph instead of a forward, a backward and
+an optimizer node (and the autograd engine's work between them): the least host time per step.
+"""
+from typing import Any, Callable
+
+
+from torch_xla_jaxbridge import bridging, call, captures, errors, optim, rng, runtime, spmd
+
+
+class TrainStep:
+  """A training step made by `train_step`: call it with the loss function's arguments."""
+
+  def __init__(self, loss_fn, optimizer, remat):
+    if not isinstance(optimizer, optim.AdamW):
+      raise errors.BadArgumentError(
+          f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs "
+          f"jb.optim.AdamW's update. Use jb.optim.AdamW, or call loss.backward() and "
+          f"optimizer.step() for other optimizers.")
+    self.bridged = bridging.Bridged(loss_fn, remat=remat)
+    self.optimizer = optimizer
+    self.name = self.bridged.name
+
+  def __call__(self, *args, **kwargs):
+    # through optimizer.step(), so its hooks run and LR schedulers see an optimizer step
+    self.optimizer._train_step = lambda: self._run(args, kwargs)
+    try:
+      return self.optimizer.step()
+    finally:
+      self.optimizer._train_step = None
+
+  def _run(self, args, kwargs):
+    bridging.register_static_pytree()
+    bridged, optimizer = self.bridged, self.optimizer
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    args = captures.with_captures(bridged.fn, self.name, args)
+    spec, diff, other = bridging.Spec.split(
+        (args, kwargs), lambda t: id(t) in trained and t.requires_grad, self.name)
+    if spec.has_objects:
+      raise errors.BadArgumentError(
+          f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "
+          f"instead, or call the model and loss.backward() with optimizer.step().")
+    if not diff:
+      raise errors.BadArgumentError(
+          f"train_step: none of the tensors {self.name} reads (arguments, or modules and tensors "
+          f"it closes over) is a parameter of the optimizer; close over the model the optimizer "
+          f"trains (e.g. lambda x, y: loss(model(x), y)) or pass it as an argument.")
+    optim._check_xla("AdamW", diff, real=True, grads=False)
+    order = {id(p): i for i, p in enumerate(diff)}
+    params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in order]
+    states, scalars, flags = optimizer._prepare(params)
+    scalars = scalars.to(params[0].device)
+    positions = tuple(order[id(p)] for p in params)
+    fresh = bool(bridged.draws_random)
+    device = params[0].device
+    key = rng.key_data(None, device) if fresh else rng.constant_key_data(device)
+    operands = (spec, diff, other, key, *optimizer._state_arrays(states, flags), scalars)
+    statics = dict(flags, positions=positions)
+    results = call.call_jax(self._step, operands, statics, name=f"{self.name}_train_step")
+    if not fresh and bridged.draws_random:  # the first trace drew random numbers: a fresh key
+      operands = (spec, diff, other, rng.key_data(None, device), *operands[4:])
+      results = call.call_jax(self._step, operands, statics, name=f"{self.name}_train_step")
+    loss, update, (others, mutated, layout) = results
+    bridging._write_back(self.name, (args, kwargs), layout.mutated, mutated, diff)
+    shardings = spmd.shardings_of(params)
+    spmd.shard_like(update[0], shardings)  # parameters and states stay sharded as they were
+    spmd.shard_like(update[1], shardings)
+    spmd.shard_like(update[2], shardings)
+    optimizer._take(params, states, update)
+    return loss
+
+  def _step(self, spec, diff, other, key_data, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars,
+            *, amsgrad, maximize, clip, positions):
+    jax = runtime.jax_module()
+
+    def loss_of(*d):
+      floats, aux = self.bridged.run(spec, d, other, key_data)
+      layout = aux[2]
+      if len(layout.float_mask) != 1 or not layout.float_mask[0] or floats[0].shape != ():
+        raise errors.BadArgumentError(
+            f"train_step: {self.name} must return the loss, one floating-point scalar tensor; "
+            f"it returned {layout.out_tree.num_leaves} value(s): "
+            f"{[tuple(f.shape) for f in floats]} floating-point shapes. Reduce the loss "
+            f"(e.g. .mean()) and return only it.")
+      return floats[0], aux
+
+    if self.bridged.policy is not None:
+      loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
+    (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
+                                            has_aux=True)(*diff)
+    params = [diff[i] for i in positions]
+    grads = [grads[i] for i in positions]
+    update = optim._adamw_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars,
+                                 amsgrad=amsgrad, maximize=maximize, clip=clip)
+    return loss, update, aux
+
+
+def train_step(loss_fn: Callable, optimizer: Any, *, remat: Any = None) -> TrainStep:
+  """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
+  optimizer's parameters, and the optimizer's update.
+
+  `loss_fn` is torch code returning a scalar loss; the parameters it reads (of modules it closes
+  over or takes as arguments) that `optimizer` (a `jb.optim.AdamW`) holds are trained, with the
+  optimizer's param groups, clipping and learning rate (schedulers keep working: the rates travel
+  as a device input). Each call returns the loss as an XLA tensor and updates the parameters and
+  optimizer state in place; `optimizer.grad_norm` holds the norm before clipping. Gradients are
+  not written to `p.grad`. Randomness (dropout) is fresh each step. `remat=` is as for
+  `jb.bridge`; modules inside may be `BridgeModule`s or `StackedLayers` with their own policies.
+
+  Example:
+    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> model = torch.nn.Linear(4, 1).to("xla")
+    >>> opt = jb.optim.AdamW(model.parameters(), lr=0.1)
+    >>> step = jb.train_step(lambda x, y: ((model(x) - y) ** 2).mean(), opt)
+    >>> x, y = torch.ones(8, 4, device="xla"), torch.zeros(8, 1, device="xla")
+    >>> losses = [step(x, y) for _ in range(20)]
+    >>> losses[-1].item() < losses[0].item()
+    True
+  """
+  return TrainStep(loss_fn, optimizer, remat)

@@ -2,7 +2,9 @@
 
 The recipe's Llama (vocab 256, 4 heads, 2 KV heads, hidden 4*dim), one step = forward, cross
 entropy, backward, SGD, read with `jb.memory_report` from the program the step's sync compiles:
-argument, output, temp and total bytes, and total against LazyTensor's. Each mode runs in its own
+argument, output, temp and total bytes, and total against LazyTensor's. The AdamW modes (the
+recipe's default one-node step `jb.train_step`, and LazyTensor with `jb.optim.AdamW`, its
+baseline) measure a step after the first, with the moments as arguments. Each mode runs in its own
 process. The `offload` column is from lowering for TPU (`jb.lower_bridged`): the residual bytes the
 mode's policy keeps in host memory per step (XLA:CPU has one memory, so the step bytes here do not
 show it). Writes JSON (default scripts/out/bench_memory.json).
@@ -19,7 +21,12 @@ import sys
 MODES = [("LazyTensor", None), ("BridgeModule", None), ("BridgeModule", "dots_no_batch"),
          ("BridgeModule", "minimal"), ("BridgeModule", "full"),
          ("BridgeModule", "minimal_offloaded"), ("StackedLayers", None),
-         ("StackedLayers", "full"), ("StackedLayers", "minimal_offloaded")]
+         ("StackedLayers", "full"), ("StackedLayers", "minimal_offloaded"),
+         ("LazyTensor AdamW", None), ("TrainStep", None), ("TrainStep", "minimal"),
+         ("TrainStep", "full")]
+# modes with jb.optim.AdamW (its moments are arguments too); compared with "LazyTensor AdamW".
+# TrainStep: the recipe's default step (jb.train_step), a BridgeModule with `remat` per layer
+ADAMW_MODES = ("LazyTensor AdamW", "TrainStep")
 FIT_MODES = ["LazyTensor", "BridgeModule:full", "StackedLayers:full"]  # the first is the baseline
 
 
@@ -31,11 +38,11 @@ def build(mode, remat, layers, dim):
 
   torch.manual_seed(0)
   model = Llama(vocab=256, dim=dim, layers=layers, heads=4, kv_heads=2, hidden=4 * dim)
-  if mode == "BridgeModule":
+  if mode in ("BridgeModule", "TrainStep"):
     model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
   elif mode == "StackedLayers":
     model.layers = jb.StackedLayers(model.layers, remat=remat)
-  elif mode != "LazyTensor":
+  elif not mode.startswith("LazyTensor"):
     raise ValueError(mode)
   return model.to("xla")
 
@@ -51,16 +58,22 @@ def measure(mode, remat, layers, dim, seq, batch, run=True):
 
   warnings.simplefilter("ignore")  # CPU drops offload annotations: the offload column says it
   model = build(mode, remat, layers, dim)
-  optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+  adamw = mode in ADAMW_MODES
+  optimizer = (jb.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=1e-3)
   tokens = torch.randint(0, 256, (batch, seq), device="xla")
+  loss = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
+      model(tokens).flatten(0, 1), tokens.flatten())
   torch_xla.sync()
 
-  def step():
-    logits = model(tokens)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+  def backward_step():
+    loss().backward()
     optimizer.step()
     optimizer.zero_grad()
 
+  step = jb.train_step(loss, optimizer) if mode == "TrainStep" else backward_step
+  if adamw:  # the first step also makes the moments; the step measured is a later one
+    step()
+    torch_xla.sync()
   report = jb.memory_report(step, sync=run)
   row = {"mode": mode, "remat": str(remat), "layers": layers, "dim": dim, "seq": seq,
          "batch": batch, "argument_bytes": report.argument_bytes,
@@ -77,10 +90,10 @@ def offload_bytes(mode, remat, layers, dim, seq, batch):
   import torch_xla_jaxbridge as jb
   from torch_xla_jaxbridge.recipes.llama import DecoderLayer
 
-  if mode == "LazyTensor" or not jb.remat.offloads(remat):
+  if mode.startswith("LazyTensor") or not jb.remat.offloads(remat):
     return 0
   torch.manual_seed(0)
-  count = layers if mode == "BridgeModule" else 1
+  count = layers if mode in ("BridgeModule", "TrainStep") else 1
   layer = DecoderLayer(dim, 4, 2, 4 * dim)
   if mode == "StackedLayers":
     layer = jb.StackedLayers([DecoderLayer(dim, 4, 2, 4 * dim) for _ in range(layers)],
@@ -139,16 +152,20 @@ def fit(mode, remat, layers, dim, seq, budget):
   return low, totals
 
 
+def _baseline(mode):
+  return "LazyTensor AdamW" if mode in ADAMW_MODES else "LazyTensor"
+
+
 def table(rows):
-  base = {(r["layers"], r["dim"], r["seq"], r["batch"]): r["total_bytes"]
-          for r in rows if r["mode"] == "LazyTensor"}
+  base = {(r["mode"], r["layers"], r["dim"], r["seq"], r["batch"]): r["total_bytes"]
+          for r in rows if r["mode"].startswith("LazyTensor")}
   mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-  lines = [f"{'mode':<15}{'remat':<19}{'layers':>6}{'args MiB':>10}{'out MiB':>9}"
+  lines = [f"{'mode':<17}{'remat':<19}{'layers':>6}{'args MiB':>10}{'out MiB':>9}"
            f"{'temp MiB':>10}{'total MiB':>11}{'vs Lazy':>9}{'offload MiB':>13}"]
   for r in rows:
-    ref = base.get((r["layers"], r["dim"], r["seq"], r["batch"]))
+    ref = base.get((_baseline(r["mode"]), r["layers"], r["dim"], r["seq"], r["batch"]))
     r["vs_lazytensor"] = round(r["total_bytes"] / ref, 3) if ref else None
-    lines.append(f"{r['mode']:<15}{r['remat']:<19}{r['layers']:>6}{mb(r['argument_bytes']):>10}"
+    lines.append(f"{r['mode']:<17}{r['remat']:<19}{r['layers']:>6}{mb(r['argument_bytes']):>10}"
                  f"{mb(r['output_bytes']):>9}{mb(r['temp_bytes']):>10}"
                  f"{mb(r['total_bytes']):>11}{r['vs_lazytensor'] or '-':>9}"
                  f"{mb(r['offload_bytes']):>13}")

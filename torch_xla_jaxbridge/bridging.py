@@ -8,6 +8,7 @@ call, a second `call_jax` node applies the saved `vjp` function to the output co
 import contextlib
 import dataclasses
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -18,6 +19,7 @@ from torch_xla_jaxbridge import (_compat, call, captures, dtypes, errors, module
 from torch_xla_jaxbridge import remat as remat_policies
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
+_DIFFERENTIATED = threading.local()  # .on: the function being traced is under jax.vjp / grad
 
 
 class _Same(int):
@@ -226,7 +228,10 @@ class Bridged:
       found["mutated"] = [i for i, (w, a) in enumerate(zip(wrapped, arrays)) if w.jax() is not a]
       return tracing.to_jax(outputs), [wrapped[i].jax() for i in found["mutated"]]
 
-    outputs, mutated = jax.checkpoint(run, policy=self.policy)(*[t.jax() for t in tensors])
+    checkpointed = jax.checkpoint(run, policy=self.policy)
+    if getattr(_DIFFERENTIATED, "on", False):  # its backward: in a conditional, as a node's
+      checkpointed = _sequenced(checkpointed)
+    outputs, mutated = checkpointed(*[t.jax() for t in tensors])
     for i, value in zip(found["mutated"], tracing.to_torchax(mutated)):
       tensors[i].copy_(value)
     if found["drew"] and key is None:
@@ -264,7 +269,8 @@ class Bridged:
     return floats, (others, [mutated[i] for i in positions], layout)
 
   def _plain_half(self, spec, other, key_data):
-    floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
+    with differentiated(False):
+      floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
     return floats, others, mutated, layout
 
   def forward_half(self, spec, diff, other, key_data):
@@ -273,7 +279,8 @@ class Bridged:
     run = lambda *d: self.run(spec, d, other, key_data)  # noqa: E731
     if self.policy is not None:
       run = jax.checkpoint(run, policy=self.policy)
-    floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
+    with differentiated():
+      floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
     residuals, tree = jax.tree.flatten(vjp_fn)
     # a residual that is one of the inputs (a weight kept for the input's gradient) is not
     # returned by the forward: that would add an output, and a copy, per parameter
@@ -304,6 +311,51 @@ def backward_half(saved, inputs, cotangents):
   if kept.sequenced and any(c.size for c in cotangents):
     return _in_conditional(vjp, residuals, cotangents)
   return vjp(residuals, cotangents)
+
+
+@contextlib.contextmanager
+def differentiated(on=True):
+  """While tracing in the block, bridged calls inside the traced code know whether it is being
+  differentiated (`on`): a remat policy's backward then goes in a conditional (`_sequenced`)."""
+  before = getattr(_DIFFERENTIATED, "on", False)
+  _DIFFERENTIATED.on = on
+  try:
+    yield
+  finally:
+    _DIFFERENTIATED.on = before
+
+
+def _sequenced(fn):
+  """`fn` (a `jax.checkpoint`ed function) whose backward runs in `_in_conditional`: inside one
+  enclosing trace (a bridged call in bridged code, `jb.train_step`) XLA would otherwise merge the
+  policy's recomputation with the forward, as it does across two nodes."""
+  jax = runtime.jax_module()
+
+  @jax.custom_vjp
+  def call(*arrays):
+    return fn(*arrays)
+
+  def forward(*arrays):
+    return jax.vjp(fn, *arrays)
+
+  def backward(vjp, cotangent):
+    leaves, tree = jax.tree.flatten(vjp)
+    cts, ct_tree = jax.tree.flatten(cotangent)
+    inexact = [i for i, c in enumerate(cts) if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact)]
+
+    def run(r, c):  # the float0 cotangents of integer outputs stay outside the conditional
+      full = list(cts)
+      for i, value in zip(inexact, c):
+        full[i] = value
+      return tree.unflatten(r)(ct_tree.unflatten(full))
+
+    floats = [cts[i] for i in inexact]
+    if not any(c.size for c in floats):
+      return run(leaves, floats)
+    return _in_conditional(run, leaves, floats)
+
+  call.defvjp(forward, backward)
+  return call
 
 
 def _in_conditional(vjp, residuals, cotangents):

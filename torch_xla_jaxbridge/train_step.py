@@ -89,8 +89,9 @@ class TrainStep:
 
     if self.bridged.policy is not None:
       loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
-    (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
-                                            has_aux=True)(*diff)
+    with bridging.differentiated():
+      (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
+                                              has_aux=True)(*diff)
     params = [diff[i] for i in positions]
     grads = [grads[i] for i in positions]
     update = optim._adamw_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars,

@@ -231,7 +231,7 @@ def test_donated_buffer_is_written_over_and_freed_by_the_next_program():
   assert [torch_xla._XLAC._get_buffer_donation(p) for p in parameters
           if tuple(p.shape) == (16, 8)] == [True]
   before = (met.metric_data("InputOutputAliasCount") or (0, 0.0))[1]
-  torch_xla.sync()
+  torch_xla.sync(wait=True)
   assert met.metric_data("InputOutputAliasCount")[1] - before == 1
   assert "Deleted" in torch_xla._XLAC._get_xla_tensor_debug_info(x)
   assert y.cpu().eq(2).all()

@@ -46,11 +46,8 @@ def rotary(x, positions, base=10000.0):
   freqs = base ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
   angles = positions[:, None].to(torch.float32) * freqs[None, :]
   cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # bfloat16 stays bfloat16
-  # both halves by one product with each table: the backward of bridged code keeps each table
-  # once (a product broadcasting a table keeps its own copy of it)
-  halves = torch.stack([x[..., :half], x[..., half:]])
-  by_cos, by_sin = halves * cos, halves * sin
-  return torch.cat([by_cos[0] - by_sin[1], by_sin[0] + by_cos[1]], dim=-1)
+  x1, x2 = x[..., :half], x[..., half:]
+  return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class Attention(nn.Module):

@@ -216,8 +216,9 @@ def main():
     for mode, remat in modes:
       rows.append(run_isolated(mode, remat, layers, opts.dim, opts.seq, opts.batch))
       print(json.dumps(rows[-1]), flush=True)
-  print(f"\nrecipe Llama dim {opts.dim}, seq {opts.seq}, batch {opts.batch}, SGD; compiled "
-        f"XLA:CPU step (jb.memory_report); offload: host bytes on TPU (lower_bridged)")
+  print(f"\nrecipe Llama dim {opts.dim}, seq {opts.seq}, batch {opts.batch}, SGD (AdamW modes: "
+        f"jb.optim.AdamW, against LazyTensor AdamW); compiled XLA:CPU step (jb.memory_report); "
+        f"offload: host bytes on TPU (lower_bridged)")
   print(table(rows))
   os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
   with open(opts.json, "w") as f:

@@ -214,24 +214,3 @@ def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
   stats = _compat.compiled_memory(proto, [(0, ids.index(_compat.tensor_state(w)[1]))], 2)
   assert stats.alias_size_in_bytes == 16 * 8 * 4
   torch_xla.sync()
-
-
-def test_donated_buffer_is_written_over_and_freed_by_the_next_program():
-  import torch_xla
-  import torch_xla.debug.metrics as met
-
-  x = torch.ones(16, 8, device="xla")
-  torch_xla.sync()
-  x.add_(0)  # device data now (a fresh transfer may still hold the CPU tensor)
-  torch_xla.sync()
-  _compat.donate([x, None])
-  assert torch_xla._XLAC._get_buffer_donation(x)
-  y = x * 2
-  _, _, parameters = _compat.pending_graph([y])
-  assert [torch_xla._XLAC._get_buffer_donation(p) for p in parameters
-          if tuple(p.shape) == (16, 8)] == [True]
-  before = (met.metric_data("InputOutputAliasCount") or (0, 0.0))[1]
-  torch_xla.sync(wait=True)
-  assert met.metric_data("InputOutputAliasCount")[1] - before == 1
-  assert "Deleted" in torch_xla._XLAC._get_xla_tensor_debug_info(x)
-  assert y.cpu().eq(2).all()

@@ -33,27 +33,6 @@ XLAC_FUNCTIONS = ("_xla_user_computation", "_xla_op_computation_from_module_prot
                   "_global_tensor_from_cpu_shards")
 
 
-def donate(tensors):
-  """Marks each XLA tensor's current device buffer as donated to the next program that reads it
-  (torch_xla's `_set_buffer_donation`): XLA may write an output of the same shape into it, as the
-  sync of an in-place update does, and it is freed then. For a value about to be replaced
-  (`replace_data`) or dropped: nothing may read that buffer after the program. A tensor without
-  device data (a pending result, or one still on the host) is left as it is. Sharded tensors
-  (SPMD) too. Public alternative: an in-place `copy_` per tensor.
-
-  Example:
-    >>> import torch, torch_xla
-    >>> x = torch.ones(2, device="xla")
-    >>> torch_xla.sync()
-    >>> donate([x]); xlac()._get_buffer_donation(x)
-    True
-  """
-  mark = xlac()._set_buffer_donation
-  for tensor in tensors:
-    if tensor is not None:
-      mark(tensor, True)  # False (nothing marked) when the tensor holds no device data
-
-
 def replace_data(tensor, new):
   """`tensor` (an XLA tensor, e.g. a parameter) takes `new`'s value without a copy, as an in-place
   update would: torch_xla's `_replace_xla_tensor` swaps the value inside torch's functionalization
@@ -427,7 +406,7 @@ def pending_graph(tensors):
   """`(hlo_proto_bytes, parameter_tensor_ids, parameters)` of the program torch_xla would compile
   to compute `tensors` (its `IrToHlo` lowering, the same as a sync's, without the input/output
   aliasing a sync adds). Parameter ids are torch_xla tensor ids (-1: a constant); `parameters`
-  are tensors holding each parameter's device data (shape, dtype, `_get_buffer_donation`).
+  are tensors holding each parameter's device data (shape, dtype).
   Breaks if torch_xla renames these entry points; `test_compat` checks the parameter order
   against the HLO's. Public alternative: none.
 

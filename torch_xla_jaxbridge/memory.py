@@ -79,7 +79,6 @@ def memory_report(step_fn: Callable[..., Any], *args: Any, sync: bool = True,
   outputs = {alias: i for i, (_, alias) in enumerate(found.values())}
   aliases = [(outputs[tid], j) for j, tid in enumerate(param_ids)
              if tid in outputs and tensors[outputs[tid]].shape == parameters[j].shape]
-  aliases += _donated_aliases(tensors, parameters, aliases)
   stats = _compat.compiled_memory(proto, aliases, len(tensors))
   unreached = len(_compat.live_pending_ids(device) - set(found))
   if sync:
@@ -88,24 +87,6 @@ def memory_report(step_fn: Callable[..., Any], *args: Any, sync: bool = True,
     torch_xla.sync()
   return MemoryReport(stats.argument_size_in_bytes, stats.output_size_in_bytes,
                       stats.alias_size_in_bytes, stats.temp_size_in_bytes, len(tensors), unreached)
-
-
-def _donated_aliases(outputs, parameters, taken):
-  """`(output, parameter)` pairs for parameters whose buffer is donated (`_compat.donate`): XLA
-  may write any output of the same shape and dtype into a donated buffer; each goes to the first
-  such output not yet written over an input, as XLA's buffer donation would."""
-  donated = _compat.xlac()._get_buffer_donation
-  written, aliased = {out for out, _ in taken}, {param for _, param in taken}
-  pairs = []
-  for j, param in enumerate(parameters):
-    if j in aliased or not donated(param):
-      continue
-    match = next((i for i, out in enumerate(outputs) if i not in written and
-                  out.shape == param.shape and out.dtype == param.dtype), None)
-    if match is not None:
-      written.add(match)
-      pairs.append((match, j))
-  return pairs
 
 
 class _quiet:

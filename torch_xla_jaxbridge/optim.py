@@ -30,29 +30,7 @@ def _sgd_update(params, grads, buffers, lr, *, momentum, dampening, weight_decay
   return new_params, (new_buffers if momentum else None)
 
 
-class _OwnState:
-  """Donation of the optimizer's state tensors to the step that replaces them (`_compat.donate`),
-  except those handed out: `state_dict()` returns the state tensors themselves and
-  `load_state_dict` keeps the loaded ones (another optimizer may hold them), so those are never
-  donated; the values later steps make are the optimizer's own."""
-
-  def state_dict(self):
-    saved = super().state_dict()
-    self._handed_out = {id(v) for s in self.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor)}
-    return saved
-
-  def load_state_dict(self, state_dict):
-    super().load_state_dict(state_dict)
-    self._handed_out = {id(v) for s in self.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor)}
-
-  def _donate_state(self, tensors):
-    handed_out = self.__dict__.get("_handed_out", ())
-    _compat.donate([t for t in tensors if t is not None and id(t) not in handed_out])
-
-
-class SGD(_OwnState, torch.optim.Optimizer):
+class SGD(torch.optim.Optimizer):
   """`torch.optim.SGD` (same arguments and update rule) whose step is one graph node per group.
 
   For parameters on the XLA device. The learning rate travels as a device scalar, so a schedule
@@ -104,7 +82,6 @@ class SGD(_OwnState, torch.optim.Optimizer):
              weight_decay=group["weight_decay"], nesterov=group["nesterov"],
              maximize=group["maximize"]), name="sgd_step")
     _take_values(params, new_params)
-    self._donate_state([state.get("momentum_buffer") for state in states])
     for state, buf in zip(states, new_buffers or ()):
       state["momentum_buffer"] = buf
 
@@ -140,9 +117,7 @@ def _check_xla(name, params, real=False, grads=True):
 
 
 def _take_values(params, new_values):
-  """Each parameter takes its new value's device data (no copy), as an in-place update would; its
-  old buffer is donated to the step's program (XLA writes the new value over it)."""
-  _compat.donate(params)
+  """Each parameter takes its new value's device data (no copy), as an in-place update would."""
   for p, new in zip(params, new_values):
     _compat.replace_data(p, new)
   torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
@@ -187,7 +162,7 @@ def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars
   return new_params, new_avgs, new_sqs, new_maxes, grad_norm
 
 
-class AdamW(_OwnState, torch.optim.Optimizer):
+class AdamW(torch.optim.Optimizer):
   """`torch.optim.AdamW` (same arguments, update rule and `state_dict()`), with gradient clipping
   by global norm, whose whole step is one graph node.
 
@@ -303,8 +278,6 @@ class AdamW(_OwnState, torch.optim.Optimizer):
     """Parameters and states take the values `_adamw_update` returned; sets `grad_norm`."""
     new_params, avgs, sqs, new_maxes, self.grad_norm = results
     _take_values(params, new_params)
-    self._donate_state([state.get(k) for state in states
-                        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])
     for state, m, v, v_max in zip(states, avgs, sqs, new_maxes):
       state["exp_avg"], state["exp_avg_sq"] = m, v
       if v_max is not None:

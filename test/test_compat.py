@@ -207,8 +207,8 @@ def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
   torch_xla.sync()
   w.mul_(2)
   y = (b + 1).sum()
-  proto, ids, parameters = _compat.pending_graph([w, y])
-  assert tuple(parameters[ids.index(_compat.tensor_state(w)[1])].shape) == (16, 8)
+  proto, ids, shapes = _compat.pending_graph([w, y])
+  assert shapes[ids.index(_compat.tensor_state(w)[1])] == (16, 8)
   assert _compat.tensor_state(w)[2] and _compat.tensor_state(w)[1] in ids
   assert {_compat.tensor_state(w)[0], _compat.tensor_state(y)[0]} <= _compat.live_pending_ids("xla:0")
   stats = _compat.compiled_memory(proto, [(0, ids.index(_compat.tensor_state(w)[1]))], 2)

@@ -403,23 +403,22 @@ def wrap_dispatch(env, wrapper):
 # --- the compiled memory of a step (memory.py) ----------------------------------------------------
 
 def pending_graph(tensors):
-  """`(hlo_proto_bytes, parameter_tensor_ids, parameters)` of the program torch_xla would compile
-  to compute `tensors` (its `IrToHlo` lowering, the same as a sync's, without the input/output
-  aliasing a sync adds). Parameter ids are torch_xla tensor ids (-1: a constant); `parameters`
-  are tensors holding each parameter's device data (shape, dtype).
+  """`(hlo_proto_bytes, parameter_tensor_ids, parameter_shapes)` of the program torch_xla would
+  compile to compute `tensors` (its `IrToHlo` lowering, the same as a sync's, without the
+  input/output aliasing a sync adds). Parameter ids are torch_xla tensor ids (-1: a constant).
   Breaks if torch_xla renames these entry points; `test_compat` checks the parameter order
   against the HLO's. Public alternative: none.
 
   Example:
     >>> import torch, torch_xla
     >>> x = torch.ones(2, device="xla") + 1
-    >>> proto, ids, parameters = pending_graph([x])
-    >>> len(proto) > 0 and len(ids) == len(parameters)
+    >>> proto, ids, shapes = pending_graph([x])
+    >>> len(proto) > 0 and len(ids) == len(shapes)
     True
   """
   proto = xlac()._get_xla_tensors_hlo_proto(list(tensors))
   ids, values = xlac()._get_tensors_xla_device_data_node(list(tensors))
-  return proto, list(ids), list(values)
+  return proto, list(ids), [tuple(getattr(v, "shape", ())) for v in values]
 
 
 def tensor_state(tensor):

@@ -174,13 +174,8 @@ class Bridged:
     if boxed:
       spec.objects = "".join(f"; {stateful.summary(obj, snap)}" for obj, snap in boxed)
     device = _device(diff, other)
-    # code that never draws random numbers gets a constant key (drawing one costs host time, and
-    # a first call with a fresh key would make a first-step program that differs from the rest)
-    fresh = seed is not None or bool(self.draws_random)
-    key = rng.key_data(seed, device) if fresh else rng.constant_key_data(device)
-    floats, others, mutated, layout = self._invoke(spec, key, diff, other)
-    if not fresh and self.draws_random:  # this call traced code that does: run it with a fresh key
-      floats, others, mutated, layout = self._invoke(spec, rng.key_data(None, device), diff, other)
+    floats, others, mutated, layout = self.keyed(
+        lambda key: self._invoke(spec, key, diff, other), device, seed)
     _write_back(self.name, (args, kwargs), layout.mutated, mutated, diff)
     floats, others = iter(floats), iter(others)
     outputs = layout.out_tree.unflatten(
@@ -189,6 +184,17 @@ class Bridged:
       outputs, after = outputs
       stateful.write_back(boxed, after, device)
     return stateful.unpack_outputs(outputs, device) if layout.packed else outputs
+
+  def keyed(self, invoke, device, seed=None):
+    """`invoke(key_data)` with the random key this call needs. Code that never draws random
+    numbers gets a constant key (drawing one costs host time, and a first call with a fresh key
+    would make a first-step program that differs from the rest); when the trace `invoke` makes
+    shows that it does draw, it is invoked again with a fresh key (`seed`: from that seed)."""
+    fresh = seed is not None or bool(self.draws_random)
+    result = invoke(rng.key_data(seed, device) if fresh else rng.constant_key_data(device))
+    if not fresh and self.draws_random:  # this call traced code that does: a fresh key
+      result = invoke(rng.key_data(None, device))
+    return result
 
   def inline(self, args, kwargs, seed=None):
     """The torch function run directly in the enclosing trace (called inside bridged code), in
@@ -269,8 +275,7 @@ class Bridged:
     return floats, (others, [mutated[i] for i in positions], layout)
 
   def _plain_half(self, spec, other, key_data):
-    with differentiated(False):
-      floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
+    floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
     return floats, others, mutated, layout
 
   def forward_half(self, spec, diff, other, key_data):
@@ -314,11 +319,11 @@ def backward_half(saved, inputs, cotangents):
 
 
 @contextlib.contextmanager
-def differentiated(on=True):
-  """While tracing in the block, bridged calls inside the traced code know whether it is being
-  differentiated (`on`): a remat policy's backward then goes in a conditional (`_sequenced`)."""
+def differentiated():
+  """While tracing in the block, bridged calls inside the traced code know that it is being
+  differentiated: a remat policy's backward then goes in a conditional (`_sequenced`)."""
   before = getattr(_DIFFERENTIATED, "on", False)
-  _DIFFERENTIATED.on = on
+  _DIFFERENTIATED.on = True
   try:
     yield
   finally:

@@ -75,10 +75,10 @@ def memory_report(step_fn: Callable[..., Any], *args: Any, sync: bool = True,
         "that runs the step on XLA tensors (and does not sync itself)")
   tensors = [tensor for tensor, _ in found.values()]
   device = str(tensors[0].device)
-  proto, param_ids, parameters = _compat.pending_graph(tensors)
+  proto, param_ids, param_shapes = _compat.pending_graph(tensors)
   outputs = {alias: i for i, (_, alias) in enumerate(found.values())}
   aliases = [(outputs[tid], j) for j, tid in enumerate(param_ids)
-             if tid in outputs and tensors[outputs[tid]].shape == parameters[j].shape]
+             if tid in outputs and tuple(tensors[outputs[tid]].shape) == param_shapes[j]]
   stats = _compat.compiled_memory(proto, aliases, len(tensors))
   unreached = len(_compat.live_pending_ids(device) - set(found))
   if sync:

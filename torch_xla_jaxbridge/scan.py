@@ -215,13 +215,14 @@ def _per_layer_keys(module, state_dict, prefix, local_metadata):
   torch.distributed.checkpoint would run and compile a program per slice)."""
   stacks = {key[len(prefix + "layer."):]: state_dict.pop(key)
             for key in [k for k in state_dict if k.startswith(prefix + "layer.")]}
-  slices = []
+  on_xla = []
   for i in range(module.count):
     for name, stack in stacks.items():
       state_dict[f"{prefix}{i}.{name}"] = stack[i].clone() if stack.is_xla else stack[i]
-      slices.append(state_dict[f"{prefix}{i}.{name}"])
-  if any(t.is_xla for t in slices):
-    _compat.xlac()._xla_sync_multi([t for t in slices if t.is_xla], [], True)
+      if stack.is_xla:
+        on_xla.append(state_dict[f"{prefix}{i}.{name}"])
+  if on_xla:
+    _compat.xlac()._xla_sync_multi(on_xla, [], True)
 
 
 def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -7,8 +7,7 @@ an optimizer node (and the autograd engine's work between them): the least host 
 """
 from typing import Any, Callable
 
-
-from torch_xla_jaxbridge import bridging, call, captures, errors, optim, rng, runtime, spmd
+from torch_xla_jaxbridge import bridging, call, captures, errors, optim, runtime, spmd
 
 
 class TrainStep:
@@ -53,22 +52,16 @@ class TrainStep:
     params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in order]
     states, scalars, flags = optimizer._prepare(params)
     scalars = scalars.to(params[0].device)
-    positions = tuple(order[id(p)] for p in params)
-    fresh = bool(bridged.draws_random)
-    device = params[0].device
-    key = rng.key_data(None, device) if fresh else rng.constant_key_data(device)
-    operands = (spec, diff, other, key, *optimizer._state_arrays(states, flags), scalars)
-    statics = dict(flags, positions=positions)
-    results = call.call_jax(self._step, operands, statics, name=f"{self.name}_train_step")
-    if not fresh and bridged.draws_random:  # the first trace drew random numbers: a fresh key
-      operands = (spec, diff, other, rng.key_data(None, device), *operands[4:])
-      results = call.call_jax(self._step, operands, statics, name=f"{self.name}_train_step")
-    loss, update, (others, mutated, layout) = results
+    moments = optimizer._state_arrays(states, flags)
+    statics = dict(flags, positions=tuple(order[id(p)] for p in params))
+    loss, update, (others, mutated, layout) = bridged.keyed(
+        lambda key: call.call_jax(self._step, (spec, diff, other, key, *moments, scalars),
+                                  statics, name=f"{self.name}_train_step"),
+        params[0].device)
     bridging._write_back(self.name, (args, kwargs), layout.mutated, mutated, diff)
     shardings = spmd.shardings_of(params)
-    spmd.shard_like(update[0], shardings)  # parameters and states stay sharded as they were
-    spmd.shard_like(update[1], shardings)
-    spmd.shard_like(update[2], shardings)
+    for tensors in update[:4]:  # parameters and states stay sharded as the parameters are
+      spmd.shard_like(tensors, shardings)
     optimizer._take(params, states, update)
     return loss
 

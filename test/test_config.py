@@ -14,6 +14,8 @@ CORPUS = data.CORPUS.stat().st_size
     (["train.lr=.nan"], r"train.lr: must be greater than 0, got nan"),
     (["train.weight_decay=-0.1"], r"train.weight_decay: must be at least 0, got -0.1"),
     (["train.optimizer=adam"], r"train.optimizer: 'adam' is not valid; choose one of adamw"),
+    (["train.optimizer=sgd"], r"train.optimizer=sgd: remat.bridge=step runs the whole step .* use "
+                              r"train.optimizer=adamw, or remat.bridge=layers with sgd\."),
     (["train.steps=0"], r"train.steps: must be at least 1, got 0"),
     (["train.batch=-2"], r"train.batch: must be at least 1, got -2"),
     (["train.seq=0"], r"train.seq: must be at least 1, got 0"),

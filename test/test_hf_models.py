@@ -21,6 +21,14 @@ def test_training_step_matches_eager(name, mode):
   assert worst < 1e-4
 
 
+@pytest.mark.parametrize("name", list(zoo.ARCHITECTURES))
+def test_one_node_training_steps_match_eager_adamw(name):
+  eager, losses, eager_norms, norms = zoo.one_node_steps(name)
+  assert losses == pytest.approx(eager, rel=1e-4)
+  assert norms == pytest.approx(eager_norms, rel=1e-4)
+  assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", GENERATORS)
 def test_greedy_generation_matches_eager(name, cache):

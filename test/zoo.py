@@ -115,3 +115,27 @@ def generate(name, cache):
     options["attention_mask"] = options["attention_mask"].to("xla")
     tokens = moved.generate(ids.to("xla"), **options).cpu()
   return expected, tokens, jb.cache_info().misses
+
+
+def one_node_steps(name, steps=3):
+  """`(eager losses, losses, eager grad norms, grad norms)` of `steps` AdamW steps with clipping:
+  torch's on CPU (backward, clip_grad_norm_, step) against `jb.train_step` of the model called
+  with its defaults (one node a step)."""
+  model, inputs = build(name)
+  moved, _ = on_xla(model, name, "whole")
+  eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+  opt = jb.optim.AdamW(moved.parameters(), lr=1e-3, max_grad_norm=0.5)
+  on_device = {k: v.to("xla") for k, v in inputs.items()}
+  step = jb.train_step(lambda batch: moved(**batch).loss, opt)
+  eager, eager_norms, losses, norms = [], [], [], []
+  for _ in range(steps):
+    eager_opt.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    eager_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+    eager_opt.step()
+    eager.append(loss.item())
+    losses.append(step(on_device))
+    norms.append(opt.grad_norm)
+    torch_xla.sync()
+  return eager, [l.item() for l in losses], eager_norms, [n.item() for n in norms]

@@ -3,8 +3,9 @@
 The recipe's Llama (vocab 256, 4 heads, 2 KV heads, hidden 4*dim), one step = forward, cross
 entropy, backward, SGD, read with `jb.memory_report` from the program the step's sync compiles:
 argument, output, temp and total bytes, and total against LazyTensor's. The AdamW modes (the
-recipe's default one-node step `jb.train_step`, and LazyTensor with `jb.optim.AdamW`, its
-baseline) measure a step after the first, with the moments as arguments. Each mode runs in its own
+recipe's default one-node step `jb.train_step`, LazyTensor with `jb.optim.AdamW`, its baseline,
+and LazyTensor with `torch.optim.AdamW`) measure a step after the first, with the moments as
+arguments. Each mode runs in its own
 process. The `offload` column is from lowering for TPU (`jb.lower_bridged`): the residual bytes the
 mode's policy keeps in host memory per step (XLA:CPU has one memory, so the step bytes here do not
 show it). Writes JSON (default scripts/out/bench_memory.json).
@@ -22,11 +23,12 @@ MODES = [("LazyTensor", None), ("BridgeModule", None), ("BridgeModule", "dots_no
          ("BridgeModule", "minimal"), ("BridgeModule", "full"),
          ("BridgeModule", "minimal_offloaded"), ("StackedLayers", None),
          ("StackedLayers", "full"), ("StackedLayers", "minimal_offloaded"),
-         ("LazyTensor AdamW", None), ("TrainStep", None), ("TrainStep", "minimal"),
-         ("TrainStep", "full")]
-# modes with jb.optim.AdamW (its moments are arguments too); compared with "LazyTensor AdamW".
+         ("LazyTensor torch AdamW", None), ("LazyTensor AdamW", None), ("TrainStep", None),
+         ("TrainStep", "minimal"), ("TrainStep", "full")]
+# modes with AdamW (its moments are arguments too), compared with "LazyTensor AdamW" (the plain
+# step with jb.optim.AdamW); "LazyTensor torch AdamW" has torch.optim.AdamW instead.
 # TrainStep: the recipe's default step (jb.train_step), a BridgeModule with `remat` per layer
-ADAMW_MODES = ("LazyTensor AdamW", "TrainStep")
+ADAMW_MODES = ("LazyTensor AdamW", "TrainStep", "LazyTensor torch AdamW")
 FIT_MODES = ["LazyTensor", "BridgeModule:full", "StackedLayers:full"]  # the first is the baseline
 
 
@@ -59,7 +61,8 @@ def measure(mode, remat, layers, dim, seq, batch, run=True):
   warnings.simplefilter("ignore")  # CPU drops offload annotations: the offload column says it
   model = build(mode, remat, layers, dim)
   adamw = mode in ADAMW_MODES
-  optimizer = (jb.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=1e-3)
+  optimizer = (torch.optim.AdamW if mode == "LazyTensor torch AdamW" else
+               jb.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=1e-3)
   tokens = torch.randint(0, 256, (batch, seq), device="xla")
   loss = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
       model(tokens).flatten(0, 1), tokens.flatten())

@@ -439,6 +439,26 @@ def test_linears_sharing_an_input_keep_one_copy_of_it(dev):
   check_module(_SharedInput(), torch.randn(2, 3, 8), dev=dev)
 
 
+class _Attention(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.qkv = torch.nn.Linear(8, 24)
+
+  def forward(self, x):
+    q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+    scores = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True) + scores @ v
+
+
+def test_softmax_keeps_only_its_output_for_the_backward(dev):
+  """As torch's softmax backward: no exponentials and no row sums among the residuals."""
+  report = jb.saved_residuals(_Attention(), torch.ones(2, 5, 8, requires_grad=True))
+  names = [r.name.split()[0] for r in report.rows]
+  assert names.count("custom_jvp_call") == 2 and "exp" not in names, str(report)  # probabilities
+  assert not [r for r in report.rows if r.shape[-1:] == (1,)], str(report)  # no row sums
+  check_module(_Attention(), torch.randn(2, 5, 8), dev=dev)
+
+
 def test_linear_forward_mode_derivative():
   import jax
   import numpy as np

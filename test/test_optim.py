@@ -275,3 +275,46 @@ def test_an_update_after_load_state_dict_reaches_the_state_dict(dev, make):
   for key, value in model.state_dict().items():  # state_dict reads detached aliases
     assert not torch.equal(value.cpu(), loaded[key]), key
     torch.testing.assert_close(value.cpu(), dict(model.named_parameters())[key].detach().cpu())
+
+
+@pytest.mark.parametrize("make", [lambda ps: jb.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: jb.optim.AdamW(ps, lr=0.1, amsgrad=True)],
+                         ids=["SGD", "AdamW"])
+def test_the_step_writes_parameters_and_state_over_their_old_buffers(dev, make):
+  model = mlp(dev)
+  opt = make(model.parameters())
+
+  def step():
+    opt.zero_grad()
+    model(torch.ones(2, 6, device=dev)).square().mean().backward()
+    opt.step()
+
+  step()
+  torch_xla.sync()  # the state exists from here on
+  state = [t for s in opt.state.values() for t in s.values() if t.device.type == "xla"]
+  assert len(state) == {"SGD": 4, "AdamW": 12}[type(opt).__name__]
+  updated = sum(t.numel() * 4 for t in [*model.parameters(), *state])
+  report = jb.memory_report(step)
+  assert report.alias_bytes == updated  # in place: one buffer per parameter and state tensor
+
+
+def test_a_handed_out_state_dict_sees_later_steps_and_nothing_compiles_again(dev):
+  """As torch's in-place optimizers: the state dict holds the live state tensors."""
+  model, ref_model = mlp(dev), mlp("cpu")
+  opt = jb.optim.AdamW(model.parameters(), lr=0.1)
+  ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+  compiles = []
+  for step in range(6):
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+      o.zero_grad()
+      m(torch.full((2, 6), float(step)).to(m[0].weight.device)).square().mean().backward()
+      o.step()
+    torch_xla.sync()
+    compiles.append(met.metric_data("CompileTime")[0])
+    if step == 2:
+      saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+  assert compiles[-1] == compiles[1]  # state_dict() changed nothing in the step's program
+  params = list(model.parameters())
+  for i, key in [(i, key) for i in range(4) for key in ("exp_avg", "exp_avg_sq")]:
+    torch.testing.assert_close(saved["state"][i][key].cpu(), ref_saved["state"][i][key])
+    assert saved["state"][i][key] is opt.state[params[i]][key]

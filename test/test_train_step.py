@@ -127,7 +127,10 @@ def test_a_layer_policy_saves_memory_inside_the_one_node_step(dev):
     step = jb.train_step(lambda x: model(x).square().mean(), opt)
     step(x)
     torch_xla.sync()
-    return jb.memory_report(step, x)
+    result = jb.memory_report(step, x)
+    # parameters and both moments are written over their old buffers
+    assert result.alias_bytes == 3 * sum(p.numel() * 4 for p in model.parameters())
+    return result
 
   # the recomputation runs in the backward (not merged with the forward by XLA): less kept
   assert report("full").temp_bytes < 0.7 * report(None).temp_bytes

@@ -38,8 +38,10 @@ def replace_data(tensor, new):
   update would: torch_xla's `_replace_xla_tensor` swaps the value inside torch's functionalization
   wrapper, and `torch._functionalize_commit_update` makes it the value of the wrapper's storage.
   Without the commit, once a parameter had an in-place op (`load_state_dict`'s `copy_`), its
-  aliases (`detach()`, so `state_dict()`) keep reading the old value. Public alternative:
-  `tensor.copy_(new)` under no_grad (about 3x the host time per tensor).
+  aliases (`detach()`, so `state_dict()`) keep reading the old value. As for torch's in-place
+  ops, `_propagate_xla_data` first marks the new value as the old one's update, so the sync that
+  computes it writes it over the old device buffer (input/output aliasing: one buffer, not two).
+  Public alternative: `tensor.copy_(new)` under no_grad (about 3x the host time per tensor).
 
   Example:
     >>> import torch
@@ -50,9 +52,17 @@ def replace_data(tensor, new):
   """
   import torch
 
+  torch.ops.aten._propagate_xla_data(_unwrapped(tensor), _unwrapped(new))
   xlac()._replace_xla_tensor(tensor, new)
   if torch._is_functional_tensor(tensor):  # not with XLA_DISABLE_FUNCTIONALIZATION=1
     torch._functionalize_commit_update(tensor)
+
+
+def _unwrapped(tensor):
+  """The XLA tensor inside torch's functionalization wrapper (itself without functionalization)."""
+  import torch
+
+  return torch._from_functional_tensor(tensor) if torch._is_functional_tensor(tensor) else tensor
 
 
 def init_computation_client():

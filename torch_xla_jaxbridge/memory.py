@@ -37,13 +37,20 @@ class MemoryReport:
 def _xla_tensors(objects):
   found = {}
   for obj in objects:
-    if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+    if isinstance(obj, torch.Tensor) and _on_xla(obj):
       for tensor in (obj, obj.grad if obj.is_leaf else None):
         if tensor is not None:
           tid, alias, pending = _compat.tensor_state(tensor)
           if pending:
             found[tid] = (tensor, alias)
   return found
+
+
+def _on_xla(tensor):
+  try:
+    return tensor.device.type == "xla"
+  except RuntimeError:  # "tensor does not have a device": garbage not yet collected
+    return False
 
 
 def memory_report(step_fn: Callable[..., Any], *args: Any, sync: bool = True,

@@ -30,7 +30,22 @@ def _sgd_update(params, grads, buffers, lr, *, momentum, dampening, weight_decay
   return new_params, (new_buffers if momentum else None)
 
 
-class SGD(torch.optim.Optimizer):
+class _OwnsItsState(torch.optim.Optimizer):
+  """The step updates the state tensors in place, as torch's optimizers do; `load_state_dict`
+  copies the XLA tensors it would share with the given dict (torch keeps them when device and
+  dtype match), so a state dict loaded from another optimizer starts a state of its own."""
+
+  def load_state_dict(self, state_dict):
+    given = {id(v) for s in state_dict["state"].values() for v in s.values()
+             if isinstance(v, torch.Tensor)}
+    super().load_state_dict(state_dict)
+    for p_state in self.state.values():
+      for key, value in p_state.items():
+        if id(value) in given and value.is_xla:
+          p_state[key] = value.clone()
+
+
+class SGD(_OwnsItsState):
   """`torch.optim.SGD` (same arguments and update rule) whose step is one graph node per group.
 
   For parameters on the XLA device. The learning rate travels as a device scalar, so a schedule
@@ -83,7 +98,7 @@ class SGD(torch.optim.Optimizer):
              maximize=group["maximize"]), name="sgd_step")
     _take_values(params, new_params)
     for state, buf in zip(states, new_buffers or ()):
-      state["momentum_buffer"] = buf
+      _take_state(state, "momentum_buffer", buf)
 
   def _lr(self, group, like):
     """The group's learning rate as a 0-d f32 XLA tensor, made once per value."""
@@ -117,10 +132,21 @@ def _check_xla(name, params, real=False, grads=True):
 
 
 def _take_values(params, new_values):
-  """Each parameter takes its new value's device data (no copy), as an in-place update would."""
+  """Each parameter takes its new value's device data (no copy), as an in-place update would:
+  the step's program writes it over the old buffer."""
   for p, new in zip(params, new_values):
     _compat.replace_data(p, new)
   torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
+
+
+def _take_state(state, key, new):
+  """`state[key]` takes `new`'s value in place, as torch's optimizers update their state (holders
+  of `state_dict()` see it; its buffer is written over); a first value is stored as it is."""
+  old = state.get(key)
+  if old is None or not old.is_xla or old.shape != new.shape or old.dtype != new.dtype:
+    state[key] = new
+  else:
+    _compat.replace_data(old, new)
 
 
 _ROW = 7  # scalars per parameter in AdamW's device input; see _adamw_update
@@ -162,7 +188,7 @@ def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars
   return new_params, new_avgs, new_sqs, new_maxes, grad_norm
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(_OwnsItsState):
   """`torch.optim.AdamW` (same arguments, update rule and `state_dict()`), with gradient clipping
   by global norm, whose whole step is one graph node.
 
@@ -279,9 +305,10 @@ class AdamW(torch.optim.Optimizer):
     new_params, avgs, sqs, new_maxes, self.grad_norm = results
     _take_values(params, new_params)
     for state, m, v, v_max in zip(states, avgs, sqs, new_maxes):
-      state["exp_avg"], state["exp_avg_sq"] = m, v
+      _take_state(state, "exp_avg", m)
+      _take_state(state, "exp_avg_sq", v)
       if v_max is not None:
-        state["max_exp_avg_sq"] = v_max
+        _take_state(state, "max_exp_avg_sq", v_max)
 
   def _state(self, p, amsgrad):
     """The parameter's state, made as torch makes it on its first step."""

@@ -4,7 +4,9 @@ import threading
 import jax
 import pytest
 import torch
+import torch_xla
 
+import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge import _compat, tracing
 
 
@@ -97,6 +99,14 @@ def test_replace_data_is_seen_through_aliases_after_an_in_place_op():
   t.detach().cpu()  # an alias read before the replacement
   _compat.replace_data(t, torch.full((3,), 7.0, device="xla"))
   assert t.detach().cpu().tolist() == t.cpu().tolist() == [7.0] * 3
+
+
+def test_replace_data_writes_the_new_value_over_the_old_buffer():
+  t = torch.nn.Parameter(torch.ones(64, 64, device="xla"))
+  torch_xla.sync()
+  report = jb.memory_report(lambda: _compat.replace_data(t, t.detach() * 3))
+  assert report.alias_bytes == 64 * 64 * 4  # as an in-place update: one buffer
+  assert t.detach().cpu().tolist() == [[3.0] * 64] * 64
 
 
 def test_set_array_replaces_a_torchax_tensors_value():

@@ -118,9 +118,9 @@ def test_bridged_step_without_remat_needs_no_more_than_lazy_tensor(lazy_tensor_s
   bridged = _llama_report(mode)
   # the same parameters (scalars aside), and no more in all
   assert abs(bridged.argument_bytes - lazy_tensor_step.argument_bytes) < 64
-  # within 0.1%: XLA:CPU's temp block moves by a few KiB with what the process compiled before
-  # (this file alone: BridgeModule +3.8 KiB of 12.9 MB; after the rest of the suite: below)
-  assert bridged.total_bytes <= 1.001 * lazy_tensor_step.total_bytes
+  # no more in all, with room: 0.82x / 0.87x here (XLA:CPU's temp block moves by a few KiB with
+  # what the process compiled before); 1.0003x while bridged softmax kept its exponentials
+  assert bridged.total_bytes <= 0.95 * lazy_tensor_step.total_bytes
 
 
 def test_per_layer_remat_saves_memory_in_the_step():

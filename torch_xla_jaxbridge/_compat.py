@@ -52,17 +52,13 @@ def replace_data(tensor, new):
   """
   import torch
 
-  torch.ops.aten._propagate_xla_data(_unwrapped(tensor), _unwrapped(new))
-  xlac()._replace_xla_tensor(tensor, new)
-  if torch._is_functional_tensor(tensor):  # not with XLA_DISABLE_FUNCTIONALIZATION=1
+  if torch._is_functional_tensor(tensor):
+    torch._C._propagate_xla_data(tensor, torch._from_functional_tensor(new))
+    xlac()._replace_xla_tensor(tensor, new)
     torch._functionalize_commit_update(tensor)
-
-
-def _unwrapped(tensor):
-  """The XLA tensor inside torch's functionalization wrapper (itself without functionalization)."""
-  import torch
-
-  return torch._from_functional_tensor(tensor) if torch._is_functional_tensor(tensor) else tensor
+  else:  # XLA_DISABLE_FUNCTIONALIZATION=1
+    torch.ops.aten._propagate_xla_data(tensor, new)
+    xlac()._replace_xla_tensor(tensor, new)
 
 
 def init_computation_client():

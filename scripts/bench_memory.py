@@ -12,6 +12,8 @@ show it). Writes JSON (default scripts/out/bench_memory.json).
 
   python scripts/bench_memory.py [--layers 8] [--dim 256] [--seq 256] [--batch 4] [--json PATH]
   python scripts/bench_memory.py --fit BYTES   # the largest batch each mode compiles within BYTES
+  python scripts/bench_memory.py --fit BYTES --modes "LazyTensor torch AdamW" TrainStep:full \
+      --json scripts/out/bench_memory_adamw.json  # the same for the recipe's default step
 """
 import argparse
 import json
@@ -199,12 +201,12 @@ def main():
                    "total_bytes": totals.get(batch), "trials": len(totals)})
     base = rows[0]["batch"]
     print(f"\nlargest batch within {opts.fit:,d} B: recipe Llama {opts.layers[0]} layers, dim "
-          f"{opts.dim}, seq {opts.seq}, SGD (compiled XLA:CPU step)")
-    print(f"{'mode':<15}{'remat':<8}{'batch':>7}{'total MiB':>11}{'vs ' + rows[0]['mode']:>16}")
+          f"{opts.dim}, seq {opts.seq}, SGD, AdamW in the AdamW modes (compiled XLA:CPU step)")
+    print(f"{'mode':<24}{'remat':<8}{'batch':>7}{'total MiB':>11}  vs {rows[0]['mode']}")
     for r in rows:
       r["vs_first"] = round(r["batch"] / base, 2) if base else None
       total = f"{r['total_bytes'] / 2**20:.1f}" if r["total_bytes"] else "-"
-      print(f"{r['mode']:<15}{r['remat']:<8}{r['batch']:>7}{total:>11}{r['vs_first'] or '-':>16}")
+      print(f"{r['mode']:<24}{r['remat']:<8}{r['batch']:>7}{total:>11}  {r['vs_first'] or '-'}")
     result = {"budget_bytes": opts.fit, "layers": opts.layers[0], "dim": opts.dim,
               "seq": opts.seq, "rows": rows}
     path = opts.json.replace(".json", "_fit.json")

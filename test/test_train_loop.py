@@ -116,6 +116,18 @@ def test_values_updated_in_place_are_read_as_they_were_at_their_step(tmp_path):
   assert len(lines) == 2 and "grad norm 2.000" in lines[0] and "mfu" not in reads.rows[0]
 
 
+def test_a_late_read_does_not_make_the_next_window_look_instant(tmp_path, monkeypatch):
+  clock = iter([0.0, 1.0, 1.2, 1.4, 1.8, 1.8001, 2.0])  # the 4th read ran late, the 5th at once
+  monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+  with metrics.MetricsLog(tmp_path) as sink:
+    reads = train._Readback(config.load(["train.steps=6", "train.log_every=1"]), sink, None,
+                            lambda line: None)
+    for step in range(1, 7):
+      reads._write([{"step": step, "began": 0.0, "traced": 0.0, "values": {"loss": 1.0}}])
+  # after the first (compiling) read, a rate spans up to four reads
+  assert [round(r["step_ms"]) for r in reads.rows] == [1000, 200, 200, 267, 200, 200]
+
+
 def test_an_error_in_a_read_is_raised_by_finish(tmp_path):
   def broken(line):
     raise OSError("disk full")

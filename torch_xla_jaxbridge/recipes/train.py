@@ -9,6 +9,7 @@ step closures every `train.log_every` steps, so the host traces a step while the
 runs. Writes per-step metrics (`recipes.metrics`), progress lines with an ETA and a summary;
 saves checkpoints and resumes from them.
 """
+import collections
 import json
 import pathlib
 import statistics
@@ -202,6 +203,9 @@ def train(cfg, *, log=print):
   return [row["loss"] for row in reads.rows]
 
 
+_RATE_READS = 4  # read windows a step rate spans (its steps: up to 4 * train.log_every)
+
+
 class _Readback:
   """Each step's loss (and the optimizer's `grad_norm` and lr, when it has them) read without
   making the host wait: the tensors of `train.log_every` steps are kept, then read together by one
@@ -215,7 +219,11 @@ class _Readback:
     self.tokens, self.flops = t["batch"] * t["seq"], metrics.flops_per_token(cfg["model"], t["seq"])
     self.window, self.rows, self.queued, self.error = [], [], 0, None
     self.idle = threading.Condition()
-    self.origin = self.last_done = time.perf_counter()
+    self.origin = time.perf_counter()
+    # (time, steps) of the reads after the first, which holds the compiles: a rate spans up to
+    # _RATE_READS of them, since one read that ran late on a busy host is followed at once by
+    # the next (a window alone then showed 0.1 ms steps next to 40 ms ones)
+    self.recent = collections.deque(maxlen=_RATE_READS + 1)
 
   def add(self, step, began, loss, grad_norm, lr):
     """Keeps step `step`'s values (a copy in this step's graph of those an optimizer may update in
@@ -262,8 +270,12 @@ class _Readback:
     values = [{k: v.item() if isinstance(v, torch.Tensor) else float(v)
                for k, v in entry["values"].items() if v is not None} for entry in window]
     done = time.perf_counter()  # the window's last step has run (its loss reached the host)
-    step_s = (done - self.last_done) / len(window)
-    self.last_done = done
+    if not self.recent:  # the first read: from the start
+      step_s = (done - self.origin) / len(window)
+      self.recent.append((done, 0))
+    else:
+      self.recent.append((done, len(window)))
+      step_s = (done - self.recent[0][0]) / sum(steps for _, steps in list(self.recent)[1:])
     rows = [{"step": entry["step"], **value, "step_ms": step_s * 1e3,
              "trace_ms": (entry["traced"] - entry["began"]) * 1e3,
              "tokens_per_s": self.tokens / step_s,

@@ -5,10 +5,10 @@ entropy, backward, SGD, read with `jb.memory_report` from the program the step's
 argument, output, temp and total bytes, and total against LazyTensor's. The AdamW modes (the
 recipe's default one-node step `jb.train_step`, LazyTensor with `jb.optim.AdamW`, its baseline,
 and LazyTensor with `torch.optim.AdamW`) measure a step after the first, with the moments as
-arguments. Each mode runs in its own
-process. The `offload` column is from lowering for TPU (`jb.lower_bridged`): the residual bytes the
-mode's policy keeps in host memory per step (XLA:CPU has one memory, so the step bytes here do not
-show it). Writes JSON (default scripts/out/bench_memory.json).
+arguments. Each mode runs in its own process. The `offload` column is from lowering for TPU
+(`jb.lower_bridged`): the residual bytes the mode's policy keeps in host memory per step (XLA:CPU
+has one memory, so the step bytes here do not show it). Writes JSON (default
+scripts/out/bench_memory.json).
 
   python scripts/bench_memory.py [--layers 8] [--dim 256] [--seq 256] [--batch 4] [--json PATH]
   python scripts/bench_memory.py --fit BYTES   # the largest batch each mode compiles within BYTES
@@ -222,7 +222,7 @@ def main():
       rows.append(run_isolated(mode, remat, layers, opts.dim, opts.seq, opts.batch))
       print(json.dumps(rows[-1]), flush=True)
   print(f"\nrecipe Llama dim {opts.dim}, seq {opts.seq}, batch {opts.batch}, SGD (AdamW modes: "
-        f"jb.optim.AdamW, against LazyTensor AdamW); compiled XLA:CPU step (jb.memory_report); "
+        f"AdamW, against LazyTensor AdamW); compiled XLA:CPU step (jb.memory_report); "
         f"offload: host bytes on TPU (lower_bridged)")
   print(table(rows))
   os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)

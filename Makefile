@@ -27,6 +27,7 @@ $(STAMP): setup.py Makefile
 TESTS_FIRST := $(sort $(wildcard test/test_[a-m]*.py))
 TESTS_SECOND := $(sort $(wildcard test/test_[n-z]*.py))
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow" $(TESTS_FIRST)
 	$(PY) -m pytest -q -m "not slow" $(TESTS_SECOND) --doctest-modules torch_xla_jaxbridge
 

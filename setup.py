@@ -18,9 +18,9 @@ setup(
     version="0.1.0",
     description="Run the heavy parts of PyTorch/XLA training as JAX inside the LazyTensor graph.",
     packages=find_packages(include=["torch_xla_jaxbridge", "torch_xla_jaxbridge.*"]),
-    package_data={"torch_xla_jaxbridge": ["recipes/configs/*.yaml", "recipes/configs/model/*.yaml",
-                                          "recipes/data/*"]},
+    package_data={"torch_xla_jaxbridge": ["py.typed", "recipes/configs/*.yaml",
+                                          "recipes/configs/model/*.yaml", "recipes/data/*"]},
     python_requires=">=3.11",
     install_requires=STACK,
-    extras_require={"test": ["pytest", "transformers==4.57.1"]},
+    extras_require={"test": ["pytest", "transformers==4.57.1", "mypy==1.13.0"]},
 )

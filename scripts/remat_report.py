@@ -2,12 +2,13 @@
 
 For the Llama-style decoder layer and a small whole model (embedding, 4 layers, head), prints the
 residual bytes per layer and in total for every policy, the compiled temp memory of one
-forward+backward (XLA:CPU `memory_analysis`), and the median step time of the bridged model on
-the XLA CPU device; writes JSON (default out/remat_report.json).
+forward+backward (XLA's compiled step, `jb.memory_report`), and the median step time of the
+bridged model on the XLA CPU device; writes JSON (default out/remat_report.json).
 
   python scripts/remat_report.py [--steps 5] [--json PATH] [--tables]
 """
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -15,29 +16,23 @@ import time
 import warnings
 
 import torch_xla_jaxbridge as jb
-import jax
 import torch
 import torch_xla
 
-from torch_xla_jaxbridge import inspection
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer, Llama
 
-POLICIES = [None, "dots", "dots_no_batch", "minimal", "minimal_offloaded", "full"]
+POLICIES = [None, *jb.remat.presets()]
 BATCH, SEQ, DIM, LAYERS = 4, 64, 128, 4
 
 
 def temp_bytes(module, args, remat):
-  """Compiled temp memory of value_and_grad over the bridged forward, on XLA:CPU."""
-  bridged, spec, diff, other, key, _ = inspection.abstract_call(module, args, {}, remat)
-
-  def loss(d, o, k):
-    run = lambda *dd: bridged.run(spec, dd, o, k)[0]  # noqa: E731
-    if bridged.policy is not None:
-      run = jax.checkpoint(run, policy=bridged.policy)
-    return sum(x.sum() for x in run(*d))
-
-  compiled = jax.jit(jax.value_and_grad(loss)).lower(diff, other, key).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  """Compiled temp memory of one forward+backward of the bridged module (XLA's buffer
+  assignment of the step's program, `jb.memory_report`), on XLA:CPU."""
+  dev = torch_xla.device()
+  layer = jb.BridgeModule(copy.deepcopy(module).to(dev), remat=remat)
+  inputs = [a.detach().to(dev).requires_grad_(a.requires_grad) for a in args]
+  torch_xla.sync()
+  return jb.memory_report(lambda: layer(*inputs).sum().backward()).temp_bytes
 
 
 def step_ms(remat, steps):

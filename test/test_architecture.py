@@ -1,10 +1,33 @@
-"""The package's dependencies run one way, and private internals are reached only through _compat."""
+"""The package's layout rules, checked on its source: which package may import which, no private
+name of another package, no cycle, recipes and scripts on the public API only, other libraries'
+internals only in `_compat`, sizes, and type hints on the public API (ARCHITECTURE.md)."""
 import ast
+import inspect
 import pathlib
-import re
+import types
+
+import torch
+
+import torch_xla_jaxbridge as jb
 
 ROOT = pathlib.Path(__file__).parents[1]
 PACKAGE = ROOT / "torch_xla_jaxbridge"
+NAME = "torch_xla_jaxbridge"
+
+# package -> the packages it may import (besides itself). The public modules at the top (spmd,
+# dlpack, remat, flash_attention) and `__init__` only re-export; the recipes use the public API.
+ALLOWED = {
+    "errors": set(),
+    "_compat": set(),
+    "_core": {"_compat", "errors"},
+    "_integrations": {"_core", "_compat", "errors"},
+    "_bridge": {"_core", "_compat", "errors"},
+    "optim": {"_core", "_compat", "errors"},
+    "_training": {"_bridge", "optim", "_core", "_compat", "errors"},
+    "_interop": {"_bridge", "_core", "_compat", "errors"},
+}
+PUBLIC_MODULES = {"errors", "spmd", "dlpack", "remat", "flash_attention", "optim"}
+RE_EXPORTS = {"spmd", "dlpack", "remat", "flash_attention", "__init__"}
 
 
 def module_name(path):
@@ -12,24 +35,37 @@ def module_name(path):
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def package_imports(path):
-  """Package modules imported anywhere in `path` (top level or inside functions)."""
-  found = set()
+def package_of(module):
+  """`_core`, `optim`, `recipes`, ... for a module of the package; `__init__` for the package."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path):
+  """`(module, names, line)` for each import of the package anywhere in `path`."""
+  found = []
   for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-        "torch_xla_jaxbridge"):
-      for alias in node.names:
-        candidate = f"{node.module}.{alias.name}"
-        found.add(candidate if (PACKAGE.parent / (candidate.replace(".", "/") + ".py")).exists()
-                  else node.module)
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == NAME:
+      found.append((node.module, [a.name for a in node.names], node.lineno))
     elif isinstance(node, ast.Import):
-      found.update(a.name for a in node.names if a.name.startswith("torch_xla_jaxbridge."))
+      found += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == NAME]
   return found
 
 
+def resolve(module, names):
+  """The package modules an import statement reads."""
+  out = set()
+  for name in names or [None]:
+    candidate = f"{module}.{name}" if name else module
+    exists = (ROOT / (candidate.replace(".", "/") + ".py")).exists() or (
+        ROOT / candidate.replace(".", "/") / "__init__.py").exists()
+    out.add(candidate if name and exists else module)
+  return out
+
+
 def import_graph():
-  return {module_name(p): package_imports(p) - {module_name(p)}
-          for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+  return {module_name(p): set().union(*[resolve(m, n) for m, n, _ in imports(p)] or [set()])
+          - {module_name(p)} for p in PACKAGE.rglob("*.py")}
 
 
 def find_cycle(graph):
@@ -55,9 +91,16 @@ def find_cycle(graph):
   return None
 
 
+def without_package_inits(graph):
+  """The graph less the edges into a package's `__init__` made by importing its modules (Python
+  runs the `__init__` first, but it imports nothing back)."""
+  return {m: {t for t in targets if not (m.startswith(t + ".") and t != NAME)}
+          for m, targets in graph.items() if m != NAME}
+
+
 def test_the_import_graph_has_no_cycle():
-  graph = import_graph()
-  assert "torch_xla_jaxbridge.tracing" in graph
+  graph = without_package_inits(import_graph())
+  assert f"{NAME}._core.tracing" in graph
   cycle = find_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -67,22 +110,230 @@ def test_the_cycle_check_finds_a_cycle():
   assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_tracing_imports_no_feature_module():
-  leaves = {"torch_xla_jaxbridge._compat", "torch_xla_jaxbridge.diagnostics",
-            "torch_xla_jaxbridge.errors", "torch_xla_jaxbridge.rng", "torch_xla_jaxbridge.runtime"}
-  assert import_graph()["torch_xla_jaxbridge.tracing"] <= leaves
+def test_each_package_imports_only_what_it_may():
+  offenders = []
+  for module, targets in import_graph().items():
+    source = package_of(module)
+    if source in RE_EXPORTS or source == "recipes":
+      continue
+    for target in targets:
+      wanted = package_of(target)
+      if wanted != source and wanted not in ALLOWED[source]:
+        offenders.append(f"{module} imports {target} ({source} may import "
+                         f"{sorted(ALLOWED[source]) or 'nothing'})")
+  assert not offenders, "\n".join(offenders)
 
 
-PRIVATE = re.compile(r"\bjax\._src\b|\._XLAC\b|\._elem\b|(from|import) jaxlib\b|"
-                     r"from torchax\.ops|__dynamo_disable|\.py_impl\(")
+def test_the_package_list_matches_the_tree():
+  on_disk = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - {"recipes"}
+  assert on_disk == set(ALLOWED) - {"errors"}
+  for package in on_disk | {"recipes"}:
+    assert (PACKAGE / package / "README.md").exists(), f"{package} has no README.md"
 
 
-def test_private_internals_only_in_compat():
+def private_names_of_other_packages(path):
+  """`file:line: import` where `path` reads a `_name` (module or attribute) of another package."""
+  source = package_of(module_name(path))
+  found = []
+  for module, names, line in imports(path):
+    target = package_of(module) if module != NAME else None
+    inner = module.split(".")[2:] + names if target else names
+    if target != source and any(part.startswith("_") for part in inner):
+      found.append(f"{path.relative_to(ROOT)}:{line}: from {module} import {', '.join(names)}")
+  return found
+
+
+def test_no_private_name_of_another_package_is_used():
   offenders = []
   for path in PACKAGE.rglob("*.py"):
-    if path.name == "_compat.py":
-      continue
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-      if PRIVATE.search(line):
-        offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-  assert not offenders, "private internals outside _compat.py:\n" + "\n".join(offenders)
+    if package_of(module_name(path)) not in RE_EXPORTS:
+      offenders += private_names_of_other_packages(path)
+  assert not offenders, "\n".join(offenders)
+
+
+def test_recipes_and_scripts_use_only_the_public_api():
+  offenders = []
+  for path in [*(PACKAGE / "recipes").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
+    for module, names, line in imports(path):
+      parts = module.split(".")
+      public = (len(parts) == 1 and all(n in jb.__all__ or n == "recipes" for n in names)) or (
+          parts[1] in PUBLIC_MODULES | {"recipes"} and not any(
+              p.startswith("_") for p in parts[2:] + names))
+      if not public:
+        offenders.append(f"{path.relative_to(ROOT)}:{line}: {module} {names}")
+  assert not offenders, "\n".join(offenders)
+
+
+# --- other libraries' internals only in _compat --------------------------------------------------
+
+def _foreign_private_names():
+  """Private names that belong to torch's base classes even where the package's classes set
+  them (`self._parameters` on a Module subclass)."""
+  opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+  return (set(dir(torch.nn.Module)) | set(vars(torch.nn.Module())) | set(dir(torch.Tensor)) |
+          set(dir(torch.optim.Optimizer)) | set(vars(opt)) | set(dir(torch.autograd.Function)))
+
+
+def _own_private_names(paths):
+  """Private names the package defines: functions, classes, assignments, attributes it sets."""
+  names = set()
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        names.add(node.name)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        names.add(node.attr)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        names.add(node.id)
+  return {n for n in names if n.startswith("_")} - _foreign_private_names()
+
+
+def _is_op_namespace(node):
+  """`torch.ops.<namespace>.<op>`: an op's registered name, not a private attribute."""
+  while isinstance(node, ast.Attribute):
+    if (isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr == "ops"):
+      return True
+    node = node.value
+  return False
+
+
+def foreign_private_uses(path, own):
+  """`file:line: what` for each private attribute of another library's object read in `path`,
+  and each import of another library's private module."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+    if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not (
+        node.attr.startswith("__") and node.attr.endswith("__")):
+      base = node.value
+      if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or node.attr in own:
+        continue
+      if not _is_op_namespace(node):
+        found.append(f"{where}: {ast.unparse(node)}")
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] != NAME:
+      if any(p.startswith("_") for p in node.module.split(".") + [a.name for a in node.names]):
+        found.append(f"{where}: from {node.module} import ...")
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] != NAME and any(p.startswith("_") for p in
+                                                    alias.name.split(".")):
+          found.append(f"{where}: import {alias.name}")
+  return found
+
+
+def test_private_internals_of_other_libraries_only_in_compat():
+  paths = list(PACKAGE.rglob("*.py"))
+  own = _own_private_names(paths)
+  offenders = []
+  for path in paths:
+    if "_compat" not in path.parts:
+      offenders += foreign_private_uses(path, own)
+  assert not offenders, "private internals outside _compat/:\n" + "\n".join(offenders)
+
+
+def test_the_private_internal_check_finds_them(tmp_path):
+  sample = tmp_path / "sample.py"
+  sample.write_text("import torch._dynamo\nfrom jax._src import config\n"
+                    "x = torch_xla._XLAC\ny = module._parameters\nz = self._mine\n"
+                    "w = torch.ops.aten._softmax.default\n")
+  relative = sample.relative_to(tmp_path)
+  global ROOT
+  saved, ROOT = ROOT, tmp_path
+  try:
+    found = foreign_private_uses(sample, set())
+  finally:
+    ROOT = saved
+  assert [f.split(": ", 1)[1] for f in found] == [
+      "import torch._dynamo", "from jax._src import ...", "torch_xla._XLAC", "module._parameters"
+  ] and all(f.startswith(str(relative)) for f in found)
+
+
+def test_no_compat_function_hands_out_a_module():
+  from torch_xla_jaxbridge._compat import (jax_private, torch_private, torch_xla_private,
+                                           torchax_private)
+
+  for compat in (jax_private, torch_private, torch_xla_private, torchax_private):
+    for name, fn in vars(compat).items():
+      if callable(fn) and not name.startswith("_") and fn.__module__ == compat.__name__:
+        source = inspect.getsource(fn)
+        assert "return torch_xla._XLAC\n" not in source and "return torch.utils._pytree\n" not in (
+            source), f"{compat.__name__}.{name} hands out a private module"
+
+
+# --- sizes and types -----------------------------------------------------------------------------
+
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 400, 120, 60
+
+
+def code_lines(node):
+  """Lines of a function or class, less its docstrings (its own and those of the definitions in
+  it): documentation is not what makes a definition hard to read."""
+  size = node.end_lineno - node.lineno + 1
+  for inner in ast.walk(node):
+    body = getattr(inner, "body", None)
+    if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body and (
+        isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and
+        isinstance(body[0].value.value, str)):
+      size -= body[0].end_lineno - body[0].lineno + 1
+  return size
+
+
+def test_modules_classes_and_functions_stay_small():
+  offenders = []
+  for path in PACKAGE.rglob("*.py"):
+    text = path.read_text()
+    lines = text.splitlines()
+    where = path.relative_to(ROOT)
+    if len(lines) > MAX_MODULE:
+      offenders.append(f"{where}: {len(lines)} lines (at most {MAX_MODULE})")
+    for node in ast.walk(ast.parse(text)):
+      limit = (MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION if isinstance(
+          node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+      if limit is None:
+        continue
+      size = code_lines(node)
+      excused = "size:" in lines[node.lineno - 1]  # "# size: why" on the def line
+      if size > limit and not excused:
+        offenders.append(f"{where}:{node.lineno}: {node.name} has {size} lines (at most {limit})")
+  assert not offenders, "\n".join(offenders)
+
+
+def public_api():
+  """Every public function and class: the package's names and its public namespaces'."""
+  found = {}
+  for name in jb.__all__:
+    value = getattr(jb, name)
+    if isinstance(value, types.ModuleType):
+      for inner in getattr(value, "__all__", [n for n in vars(value) if not n.startswith("_")]):
+        found[f"jb.{name}.{inner}"] = getattr(value, inner)
+    else:
+      found[f"jb.{name}"] = value
+  return {k: v for k, v in found.items() if inspect.isfunction(v) or inspect.isclass(v)}
+
+
+def _unannotated(fn, skip_first):
+  signature = inspect.signature(fn)
+  params = list(signature.parameters.values())[1 if skip_first else 0:]
+  missing = [p.name for p in params if p.annotation is inspect.Parameter.empty]
+  if signature.return_annotation is inspect.Signature.empty and fn.__name__ != "__init__":
+    missing.append("return")
+  return missing
+
+
+def test_every_public_function_and_class_is_typed():
+  offenders = []
+  for name, value in public_api().items():
+    if inspect.isfunction(value):
+      missing = _unannotated(value, skip_first=False)
+    elif issubclass(value, BaseException) or "__init__" not in vars(value) or (
+        __import__("dataclasses").is_dataclass(value)):
+      continue  # exceptions, dataclasses and namedtuples are typed by their fields
+    else:
+      missing = _unannotated(value.__init__, skip_first=True)
+    if missing:
+      offenders.append(f"{name}: no annotation for {', '.join(missing)}")
+  assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_says_it_is_typed():
+  assert (PACKAGE / "py.typed").exists()

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import _compat, autocast
+from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._integrations import autocast
 
 
 class Block(torch.nn.Module):
@@ -123,7 +124,7 @@ def test_scan_layers_under_autocast(dev, stacked):
 
 
 def test_policy_table_names_exactly_torch_xlas_autocast_ops():
-  assert set(autocast.XLA_POLICY) == _compat.autocast_registrations("AutocastXLA")
+  assert set(autocast.XLA_POLICY) == torch_private.autocast_registrations("AutocastXLA")
 
 
 def test_policy_for_torch_functions_and_aten_ops():

@@ -379,7 +379,7 @@ def test_module_state_is_read_fresh_after_structure_changes(dev):
 
 
 def test_constant_key_is_device_data_so_the_first_step_graph_is_the_same(dev):
-  from torch_xla_jaxbridge import rng
+  from torch_xla_jaxbridge._core import rng
 
   key = rng.constant_key_data(dev)
   assert "xla::device_data" in torch_xla._XLAC._get_xla_tensors_text([key])

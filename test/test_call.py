@@ -250,7 +250,7 @@ def test_function_raising_while_tracing(dev):
 
 
 def test_signatures_beyond_the_limit_evict_the_least_recently_used(dev, monkeypatch):
-  from torch_xla_jaxbridge import lowering
+  from torch_xla_jaxbridge._core import lowering
   monkeypatch.setattr(lowering, "MAX_SIGNATURES_PER_FUNCTION", 2)
 
   def double(x):

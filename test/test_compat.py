@@ -7,25 +7,27 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import _compat, tracing
+from torch_xla_jaxbridge._compat import jax_private, torch_private, torch_xla_private, torchax_private
+from torch_xla_jaxbridge._training.memory import compiled_memory
+from torch_xla_jaxbridge._core import tracing
 
 
-@pytest.mark.parametrize("name", _compat.XLAC_FUNCTIONS)
+@pytest.mark.parametrize("name", torch_xla_private.ENTRY_POINTS)
 def test_torch_xla_entry_point_exists(name):
-  assert callable(getattr(_compat.xlac(), name, None)), f"torch_xla._XLAC.{name} is gone"
+  assert callable(getattr(torch_xla._XLAC, name, None)), f"torch_xla._XLAC.{name} is gone"
 
 
 def test_trace_context_is_hashable_and_follows_x64():
-  with _compat.enable_x64(False):
-    off = _compat.trace_context()
-  with _compat.enable_x64(True):
-    on = _compat.trace_context()
+  with jax_private.enable_x64(False):
+    off = jax_private.trace_context()
+  with jax_private.enable_x64(True):
+    on = jax_private.trace_context()
   assert hash(off) != hash(on) and off != on
 
 
 def test_enable_x64_is_per_thread():
   seen = []
-  with _compat.enable_x64(True):
+  with jax_private.enable_x64(True):
     assert jax.numpy.ones(1, jax.numpy.int64).dtype == jax.numpy.int64
     worker = threading.Thread(target=lambda: seen.append(jax.numpy.ones(1, "int64").dtype))
     worker.start()
@@ -34,11 +36,11 @@ def test_enable_x64_is_per_thread():
 
 
 def test_gspmd_partitioner_lowers_sharding_as_mhlo():
-  from torch_xla_jaxbridge import spmd
+  from torch_xla_jaxbridge._integrations import spmd
 
   tiles = spmd.Tiles((2, 1), (0, 1), False)
   constraint = spmd._primitive()
-  with _compat.gspmd_partitioner():
+  with jax_private.gspmd_partitioner():
     text = jax.jit(lambda x: constraint.bind(x, tiles=tiles)).lower(
         jax.ShapeDtypeStruct((4, 2), jax.numpy.float32)).as_text()
   assert 'mhlo.sharding = "{devices=[2,1]0,1}"' in text and "@Sharding" in text
@@ -48,13 +50,13 @@ def test_checkpoint_name_binds_the_primitive_compat_names():
   from jax.ad_checkpoint import checkpoint_name
 
   eqns = jax.make_jaxpr(lambda x: checkpoint_name(x * 2, "scaled"))(1.0).jaxpr.eqns
-  named = [e for e in eqns if _compat.is_checkpoint_name(e.primitive)]
+  named = [e for e in eqns if jax_private.is_checkpoint_name(e.primitive)]
   assert [e.params["name"] for e in named] == ["scaled"]
 
 
 def test_user_frames_reach_this_file():
   eqn = jax.make_jaxpr(lambda x: x * 2)(1.0).jaxpr.eqns[0]
-  assert any(f.file_name.endswith("test_compat.py") for f in _compat.user_frames(eqn.source_info))
+  assert any(f.file_name.endswith("test_compat.py") for f in jax_private.user_frames(eqn.source_info))
 
 
 def test_leak_error_is_recognised():
@@ -62,14 +64,14 @@ def test_leak_error_is_recognised():
   with pytest.raises(Exception) as info:
     with jax.checking_leaks():
       jax.jit(lambda x: kept.append(x) or x).trace(1.0)
-  assert _compat.is_leak_error(info.value)
+  assert jax_private.is_leak_error(info.value)
 
 
 def test_while_loop_gradient_error_is_recognised():
   loop = lambda x: jax.lax.while_loop(lambda c: c < 3.0, lambda c: c * 2, x)  # noqa: E731
   with pytest.raises(ValueError) as info:
     jax.grad(loop)(1.0)
-  assert _compat.is_while_loop_gradient_error(info.value)
+  assert jax_private.is_while_loop_gradient_error(info.value)
 
 
 def test_saved_tensor_modified_error_is_recognised():
@@ -79,13 +81,13 @@ def test_saved_tensor_modified_error_is_recognised():
   y.add_(1)
   with pytest.raises(RuntimeError) as info:
     z.sum().backward()
-  assert _compat.is_saved_tensor_modified_error(info.value)
+  assert torch_private.is_saved_tensor_modified_error(info.value)
 
 
 def test_dlpack_cpu_import_shares_memory():
   import numpy as np
 
-  to_buffer = _compat.dlpack_cpu_import()
+  to_buffer = jax_private.dlpack_cpu_import()
   assert to_buffer is not None, "jaxlib's dlpack_managed_tensor_to_buffer is gone (slower path)"
   source = torch.arange(16.0)
   array = to_buffer(torch.utils.dlpack.to_dlpack(source), jax.devices("cpu")[0], None)
@@ -97,14 +99,14 @@ def test_replace_data_is_seen_through_aliases_after_an_in_place_op():
   with torch.no_grad():
     t.copy_(torch.ones(3))  # as load_state_dict does
   t.detach().cpu()  # an alias read before the replacement
-  _compat.replace_data(t, torch.full((3,), 7.0, device="xla"))
+  torch_xla_private.replace_data(t, torch.full((3,), 7.0, device="xla"))
   assert t.detach().cpu().tolist() == t.cpu().tolist() == [7.0] * 3
 
 
 def test_replace_data_writes_the_new_value_over_the_old_buffer():
   t = torch.nn.Parameter(torch.ones(64, 64, device="xla"))
   torch_xla.sync()
-  report = jb.memory_report(lambda: _compat.replace_data(t, t.detach() * 3))
+  report = jb.memory_report(lambda: torch_xla_private.replace_data(t, t.detach() * 3))
   assert report.alias_bytes == 64 * 64 * 4  # as an in-place update: one buffer
   assert t.detach().cpu().tolist() == [[3.0] * 64] * 64
 
@@ -113,7 +115,7 @@ def test_set_array_replaces_a_torchax_tensors_value():
   import torchax.tensor
 
   t = torchax.tensor.Tensor(jax.numpy.zeros(2), tracing.environment())
-  _compat.set_array(t, jax.numpy.ones(2))
+  torchax_private.set_array(t, jax.numpy.ones(2))
   assert t.jax().tolist() == [1.0, 1.0]
 
 
@@ -137,7 +139,7 @@ def test_environment_reports_a_plain_tensor_in_traced_math():
   import torchax.config
   import torchax.tensor
 
-  env = _compat.environment_class(report)(
+  env = torchax_private.environment_class(report)(
       torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   plain = torch.ones(3)  # made outside: inside the environment it would be traced too
   with env, pytest.raises(Stop):
@@ -149,16 +151,16 @@ def test_current_key_changes_when_code_draws():
   env = tracing.environment()
   key = jax.random.key(0)
   with env.override_property(prng=key):
-    assert _compat.current_key(env) is key
+    assert torchax_private.current_key(env) is key
     with env:
       torch.rand(2)
-    assert _compat.current_key(env) is not key
+    assert torchax_private.current_key(env) is not key
 
 
 def test_batch_norm_forward_returns_out_mean_rstd():
   x = jax.numpy.arange(8.0).reshape(4, 2)
   stats = jax.numpy.zeros(2), jax.numpy.ones(2)
-  out, mean, rstd = _compat.batch_norm_forward(x, None, None, *stats, True, 0.1, 1e-5)
+  out, mean, rstd = torchax_private.batch_norm_forward(x, None, None, *stats, True, 0.1, 1e-5)
   assert out.shape == (4, 2) and mean.shape == (2,) and rstd.shape == (2,)
 
 
@@ -172,31 +174,31 @@ def test_higher_order_rule_runs_under_torchax():
 def test_torch_checkpoint_wrapper_reads_the_hook():
   import torch.utils.checkpoint
 
-  target = _compat.torch_checkpoint_target()
+  target = torch_private.torch_checkpoint_target()
   calls = []
-  before = target.__dict__.get(_compat.CHECKPOINT_HOOK)
-  setattr(target, _compat.CHECKPOINT_HOOK, lambda fn, *a, **k: calls.append(fn) or fn(*a))
+  before = target.__dict__.get(torch_private.CHECKPOINT_HOOK)
+  setattr(target, torch_private.CHECKPOINT_HOOK, lambda fn, *a, **k: calls.append(fn) or fn(*a))
   try:
     assert torch.utils.checkpoint.checkpoint(lambda x: x + 1, 1, use_reentrant=False) == 2
   finally:
     if before is None:
-      delattr(target, _compat.CHECKPOINT_HOOK)
+      delattr(target, torch_private.CHECKPOINT_HOOK)
     else:
-      setattr(target, _compat.CHECKPOINT_HOOK, before)
+      setattr(target, torch_private.CHECKPOINT_HOOK, before)
   assert len(calls) == 1
 
 
 def test_dynamo_disabled_calls_through():
-  assert _compat.dynamo_disabled(lambda x: x * 3)(2) == 6
+  assert torch_private.dynamo_disabled(lambda x: x * 3)(2) == 6
 
 
 def test_torchax_routes_every_op_through_env_dispatch():
   import torchax.config
   import torchax.tensor
 
-  env = _compat.environment_class(print)(torchax.config.Configuration())  # not the shared one
+  env = torchax_private.environment_class(print)(torchax.config.Configuration())  # not the shared one
   seen = []
-  _compat.wrap_dispatch(env, lambda dispatch, func, *rest: (seen.append(func),
+  torchax_private.wrap_dispatch(env, lambda dispatch, func, *rest: (seen.append(func),
                                                              dispatch(func, *rest))[1])
   t = torchax.tensor.Tensor(jax.numpy.ones((2, 2)), env)
   with env:
@@ -205,8 +207,8 @@ def test_torchax_routes_every_op_through_env_dispatch():
 
 
 def test_autocast_registrations_lists_the_dispatch_keys_ops():
-  assert "aten::linear" in _compat.autocast_registrations("AutocastXLA")
-  assert "aten::linear" in _compat.autocast_registrations("AutocastCPU")
+  assert "aten::linear" in torch_private.autocast_registrations("AutocastXLA")
+  assert "aten::linear" in torch_private.autocast_registrations("AutocastCPU")
 
 
 def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
@@ -217,10 +219,10 @@ def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
   torch_xla.sync()
   w.mul_(2)
   y = (b + 1).sum()
-  proto, ids, shapes = _compat.pending_graph([w, y])
-  assert shapes[ids.index(_compat.tensor_state(w)[1])] == (16, 8)
-  assert _compat.tensor_state(w)[2] and _compat.tensor_state(w)[1] in ids
-  assert {_compat.tensor_state(w)[0], _compat.tensor_state(y)[0]} <= _compat.live_pending_ids("xla:0")
-  stats = _compat.compiled_memory(proto, [(0, ids.index(_compat.tensor_state(w)[1]))], 2)
+  proto, ids, shapes = torch_xla_private.pending_graph([w, y])
+  assert shapes[ids.index(torch_xla_private.tensor_state(w)[1])] == (16, 8)
+  assert torch_xla_private.tensor_state(w)[2] and torch_xla_private.tensor_state(w)[1] in ids
+  assert {torch_xla_private.tensor_state(w)[0], torch_xla_private.tensor_state(y)[0]} <= torch_xla_private.live_pending_ids("xla:0")
+  stats = compiled_memory(proto, [(0, ids.index(torch_xla_private.tensor_state(w)[1]))], 2)
   assert stats.alias_size_in_bytes == 16 * 8 * 4
   torch_xla.sync()

@@ -1,6 +1,8 @@
 """Recipe config checks: every value the recipe cannot run is a ConfigError naming the key, the
 value and what is valid, raised by `config.load` before anything is built; Hydra-style override
 prefixes a torchprime user brings."""
+import re
+
 import pytest
 
 from torch_xla_jaxbridge.recipes import config, data, train
@@ -13,9 +15,13 @@ CORPUS = data.CORPUS.stat().st_size
     (["train.lr=-1"], r"train.lr: must be greater than 0, got -1.0"),
     (["train.lr=.nan"], r"train.lr: must be greater than 0, got nan"),
     (["train.weight_decay=-0.1"], r"train.weight_decay: must be at least 0, got -0.1"),
-    (["train.optimizer=adam"], r"train.optimizer: 'adam' is not valid; choose one of adamw"),
-    (["train.optimizer=sgd"], r"train.optimizer=sgd: remat.bridge=step runs the whole step .* use "
-                              r"train.optimizer=adamw, or remat.bridge=layers with sgd\."),
+    (["train.optimizer=adam"], r"train.optimizer: 'adam' is not valid; choose one of "
+                               + re.escape(", ".join(config.optimizer_choices()) + ".")),
+    (["train.optimizer=torch-adamw"], r"train.optimizer=torch-adamw: remat.bridge=step runs the "
+                                      r"whole step .* or remat.bridge=layers with torch-adamw\."),
+    (["train.optimizer=lion", "train.optimizer_args={momentum: 0.9}"],
+     r"train.optimizer_args: lion takes no argument 'momentum'; its arguments: betas, lr, "
+     r"max_grad_norm, maximize, weight_decay\."),
     (["train.steps=0"], r"train.steps: must be at least 1, got 0"),
     (["train.batch=-2"], r"train.batch: must be at least 1, got -2"),
     (["train.seq=0"], r"train.seq: must be at least 1, got 0"),

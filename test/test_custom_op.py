@@ -6,7 +6,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import custom_op
+from torch_xla_jaxbridge._interop import custom_op
 
 dense_tanh = jb.jax_op(lambda x, w: jnp.tanh(x @ w), name="test_dense_tanh")
 split_stats = jb.jax_op(lambda x: (x.mean(axis=-1), x.max(axis=-1), jnp.argmax(x, axis=-1)),

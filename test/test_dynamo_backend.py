@@ -4,7 +4,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import dynamo_backend
+from torch_xla_jaxbridge._interop import dynamo_backend
 
 
 def mlp_loss(x, w1, w2):

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import _compat
-from torch_xla_jaxbridge.flash_attention import flash_attention, sdpa
+
+from torch_xla_jaxbridge._compat import torch_xla_private
+from torch_xla_jaxbridge._integrations.flash_attention import flash_attention, sdpa
 from torch_xla_jaxbridge.recipes import config, llama
 
 
@@ -124,7 +125,7 @@ def test_the_flash_step_has_no_sequence_by_sequence_buffer(dev, mode):
   for attention in ("reference", "flash"):
     model = wrap(small_llama(attention), mode, dev)
     loss, grads = step(model, tokens)
-    texts[attention] = _compat.xlac()._get_xla_tensors_hlo([loss, *grads.values()])
+    texts[attention] = torch_xla_private.tensors_hlo_text([loss, *grads.values()])
     model.zero_grad(set_to_none=True)  # only lowered: nothing left for the teardown's sync to run
   assert square.search(texts["reference"]), "the reference step should hold the score matrix"
   assert not square.search(texts["flash"])

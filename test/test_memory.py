@@ -4,7 +4,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import _compat
+from torch_xla_jaxbridge._compat import torch_xla_private
 
 
 def _mlp_step(width):
@@ -74,7 +74,7 @@ def test_reports_torch_xlas_live_tensors():
   report = jb.memory_report(_mlp_step(64))
   assert report.unreached >= 0
   x = torch.ones(3, device="xla") * 2
-  assert _compat.tensor_state(x)[0] in _compat.live_pending_ids(str(x.device))
+  assert torch_xla_private.tensor_state(x)[0] in torch_xla_private.live_pending_ids(str(x.device))
   torch_xla.sync()
 
 
@@ -135,6 +135,6 @@ def test_compile_only_leaves_the_step_pending():
   torch_xla.sync()
   report = jb.memory_report(lambda: w.mul_(3), sync=False)
   assert report.alias_bytes == 64 * 64 * 4
-  assert _compat.tensor_state(w)[2]  # still a graph to run
+  assert torch_xla_private.tensor_state(w)[2]  # still a graph to run
   torch_xla.sync()
   assert torch.equal(w.cpu(), torch.full((64, 64), 3.0))

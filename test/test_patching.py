@@ -2,7 +2,7 @@
 import threading
 import types
 
-from torch_xla_jaxbridge import patching
+from torch_xla_jaxbridge._core import patching
 
 
 def make():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import dtypes, modules, plain
+from torch_xla_jaxbridge._core import dtypes, modules, plain
 
 
 class Mode(enum.Enum):

@@ -1,11 +1,13 @@
 """Recipes: config loading and errors, losses of every wrapping against plain LazyTensor, resume."""
 import json
+import re
 import warnings
 
 import pytest
 import torch
 import torch_xla
 
+import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge.recipes import config, data, train
 
 
@@ -26,10 +28,11 @@ def test_defaults_model_file_and_overrides():
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", r"train.stepz: unknown key 'stepz' in train; valid keys: batch, "
                       r"checkpoint_every, data, log_every, lr, master_weights, max_grad_norm, "
-                      r"optimizer, schedule, seed, seq, steps, sync_each_step, warmup_steps, "
+                      r"optimizer, optimizer_args, schedule, seed, seq, steps, sync_each_step, "
+                      r"warmup_steps, "
                       r"weight_decay"),
-    ("train.optimizer=adam", r"train.optimizer: 'adam' is not valid; choose one of adamw, "
-                             r"torch-adamw, sgd"),
+    ("train.optimizer=adam", r"train.optimizer: 'adam' is not valid; choose one of "
+                             + re.escape(", ".join(config.optimizer_choices()) + ".")),
     ("train.schedule=step", r"train.schedule: 'step' is not valid; choose one of constant, cosine"),
     ("train.warmup_steps=-1", r"train.warmup_steps: must be between 0 and train.steps \(200\), "
                               r"got -1"),
@@ -39,12 +42,12 @@ def test_defaults_model_file_and_overrides():
                       r"model, out, remat, resume, train"),
     ("train.steps=many", r"train.steps: expected int \(like 200\), got str 'many'"),
     ("remat.scan_layers=1", r"remat.scan_layers: expected bool"),
-    ("remat.policy=minimum", r"remat.policy: 'minimum' is not valid; choose one of full, dots, "
-                             r"dots_no_batch, minimal, minimal_offloaded"),
+    ("remat.policy=minimum", r"remat.policy: 'minimum' is not valid; choose one of "
+                             + re.escape(", ".join(jb.remat.presets()) + ".")),
     ("remat.save=[query_proj,attn_scores]", r"remat.save: 'attn_scores' is not valid; choose one "
                                             r"of decoder_layer_input, query_proj, key_proj"),
-    ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of llama-3-8b, llama-mid, "
-                    r"llama-tiny, mixtral-8x7b, mixtral-tiny"),
+    ("model=gpt-5", r"model: unknown model 'gpt-5'; choose one of "
+                    + re.escape(", ".join(config.model_choices()) + ".")),
     ("mesh.fsdp=4", r"mesh.fsdp \* mesh.tensor = 4 \* 1 = 4 devices, but this process sees 1\. "
                     r"Make the product equal the device count \(on CPU, start the process with "
                     r"CPU_NUM_DEVICES=4"),
@@ -98,8 +101,8 @@ def lazy_tensor_losses(recipe_run):
 
 
 @pytest.mark.parametrize("overrides", [
-    (), ("remat.policy=full",), ("remat.policy=dots",), ("remat.policy=minimal",),
-    ("remat.policy=minimal_offloaded",), ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
+    (), *[(f"remat.policy={name}",) for name in jb.remat.presets()],
+    ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
     ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
     ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
     ("remat.bridge=layers",), ("remat.bridge=layers", "remat.stack_layers=true"),

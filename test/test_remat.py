@@ -1,4 +1,6 @@
 """Remat policies, host offload and the residual report, on the Llama-style decoder layer."""
+import pathlib
+import re
 import warnings
 
 import jax
@@ -10,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 import models
 import torch_xla_jaxbridge as jb
 from parity import check_module
-from torch_xla_jaxbridge import remat
+from torch_xla_jaxbridge._bridge import remat
 
 PROJECTIONS = {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi"}
 
@@ -57,8 +59,8 @@ def test_offloaded_names_are_host_rows():
   assert "where" in str(report) and "host" in str(report)
 
 
-@pytest.mark.parametrize("policy", [None, "full", "dots", "dots_no_batch", "minimal",
-                                    "minimal_offloaded", jb.Remat(save=("mlpwi",), policy="dots"),
+@pytest.mark.parametrize("policy", [None, *jb.remat.presets(),
+                                    jb.Remat(save=("mlpwi",), policy="dots"),
                                     jax.checkpoint_policies.everything_saveable])
 def test_gradients_match_eager_for_every_policy(dev, policy):
   with warnings.catch_warnings():
@@ -109,14 +111,38 @@ def test_offload_on_cpu_warns_once(dev):
 
 def test_bad_remat_values_list_the_choices():
   with pytest.raises(jb.errors.BadArgumentError,
-                     match=r"remat: unknown preset 'minimum'; choose one of full, dots, "
-                     r"dots_no_batch, minimal, minimal_offloaded"):
+                     match=r"remat: unknown preset 'minimum'; choose one of "
+                     + re.escape(", ".join(jb.remat.presets()))):
     jb.bridge(lambda x: x, remat="minimum")
   with pytest.raises(jb.errors.BadArgumentError,
                      match=r"\['mlpwi'\] are in both `save` and `offload`"):
     jb.Remat(save=("mlpwi", "query_proj"), offload=("mlpwi",))
   with pytest.raises(jb.errors.BadArgumentError, match="remat: expected None"):
     jb.BridgeModule(torch.nn.Linear(2, 2), remat=3)
+
+
+def test_a_registered_preset_is_one_entry_everywhere(dev):
+  """One `register_preset` call: `remat=` takes the name, the recipe's config accepts it, the
+  error lists name it."""
+  from torch_xla_jaxbridge.recipes import config
+
+  jb.remat.register_preset("dots_saveable_test", lambda: jax.checkpoint_policies.dots_saveable,
+                           "every matmul output (for this test)")
+  try:
+    check_module(models.DecoderLayer(), torch.randn(2, 8, 32), torch.arange(8), dev=dev,
+                 remat="dots_saveable_test")
+    assert config.load(["remat.policy=dots_saveable_test"])["remat"]["policy"] == (
+        "dots_saveable_test")
+    with pytest.raises(jb.errors.BadArgumentError, match="dots_saveable_test"):
+      jb.bridge(lambda x: x, remat="minimum")
+  finally:
+    del remat._PRESETS["dots_saveable_test"]
+
+
+def test_the_docs_table_lists_every_preset():
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "remat.md").read_text()
+  documented = re.findall(r'^\| `"(\w+)"` \|', text, re.M)
+  assert documented == list(jb.remat.presets())
 
 
 def test_checkpoint_name_is_the_identity_outside_bridged_code(dev):

@@ -40,7 +40,7 @@ def test_cpu_is_the_default_without_a_warning(fresh_interpreters):
 
 
 def test_user_choice_is_kept(monkeypatch):
-  from torch_xla_jaxbridge import runtime
+  from torch_xla_jaxbridge._core import runtime
   monkeypatch.setenv("PJRT_DEVICE", "TPU")
   runtime.default_to_cpu()
   assert os.environ["PJRT_DEVICE"] == "TPU"

@@ -18,6 +18,7 @@ import torch_xla_jaxbridge as jb
 from kernels import decoder_case, kernel_decoder
 from parity import part
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._integrations import shard_map
 
 TOL = 1e-4
 
@@ -120,6 +121,6 @@ def test_a_spec_that_is_not_one_says_what_a_spec_is():
 
 def test_torch_xla_and_jax_partition_specs_convert_alike():
   P = jax.sharding.PartitionSpec
-  specs, exact = jb.spmd._pspec_tree({"a": ("x", None), "b": [P(("x", "y")), ()]}, "f", "specs")
+  specs, exact = shard_map._pspec_tree({"a": ("x", None), "b": [P(("x", "y")), ()]}, "f", "specs")
   assert specs == {"a": P("x", None), "b": [P(("x", "y")), P()]}
   assert exact == {"a": True, "b": [False, True]}  # torch_xla style names every dimension

@@ -10,7 +10,8 @@ import torch
 
 import torch_xla_jaxbridge as jb
 from parity import part
-from torch_xla_jaxbridge import errors, spmd
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._integrations import spmd
 from torch_xla_jaxbridge.recipes import sharding
 
 TOL = 1e-4

@@ -70,7 +70,7 @@ def test_the_name_splash_attention_imported_is_hooked_too(dev):
     return splash.call_jax(lambda a: a * 2, (t,))
 
   torch.testing.assert_close(f(torch.ones(2, device=dev)).cpu(), torch.full((2,), 2.0))
-  assert seen == ["torch_xla_jaxbridge.torch_xla_kernels"]
+  assert seen == ["torch_xla_jaxbridge._integrations.torch_xla_kernels"]
   assert splash.call_jax.__module__ == "torch_xla.core.xla_builder"  # restored
 
 

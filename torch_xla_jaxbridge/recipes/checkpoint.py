@@ -32,7 +32,8 @@ import torch_xla.core.xla_model as xm
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
-from torch_xla_jaxbridge import errors, spmd
+import torch_xla_jaxbridge as jb
+from torch_xla_jaxbridge import errors
 
 PAUSE_ENV = "JAXBRIDGE_CHECKPOINT_TEST_PAUSE"
 _NAME = re.compile(r"step_(\d+)(\.partial)?$")
@@ -157,7 +158,7 @@ def _optimizer_template(optimizer, metadata):
   the CPU (AdamW's `step`; `optimizer.load_state_dict` moves what its optimizer wants moved)."""
   template = optimizer.state_dict()
   params = [p for group in optimizer.param_groups for p in group["params"]]
-  shardings = spmd.shardings_of(params) or [None] * len(params)
+  shardings = jb.spmd.shardings_of(params) or [None] * len(params)
   state = {}
   for key, saved in metadata.state_dict_metadata.items():
     parts = key.split(".")
@@ -169,7 +170,7 @@ def _optimizer_template(optimizer, metadata):
       param, size = params[index], tuple(saved.size)
       if size and size == tuple(param.shape):
         value = torch.zeros(size, dtype=saved.properties.dtype, device=param.device)
-        spmd.shard_like([value], [shardings[index]])
+        jb.spmd.shard_like([value], [shardings[index]])
       else:
         value = torch.zeros(size, dtype=saved.properties.dtype)
     state.setdefault(index, {})[name] = value

@@ -1,22 +1,35 @@
 """Recipe configuration: YAML defaults, a model file, and `key=value` overrides, all checked
 before anything is built."""
+import inspect
 import pathlib
 
+import torch
 import yaml
 
+import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge.recipes import data
 from torch_xla_jaxbridge.recipes.llama import ATTENTION, CHECKPOINT_NAMES, DTYPES
-from torch_xla_jaxbridge.remat import PRESETS
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
-OPTIMIZERS = ("adamw", "torch-adamw", "sgd")  # train.optimizer: jb.optim.AdamW, torch's, jb's SGD
+TORCH_ADAMW = "torch-adamw"  # train.optimizer: torch.optim.AdamW; every other name is a jb.optim one
+OPTIMIZER_ARGS = {"sgd": {"momentum": 0.9}}  # the recipe's own defaults, under train.optimizer_args
 SCHEDULES = ("constant", "cosine", "linear")  # train.schedule after train.warmup_steps
 BRIDGES = ("step", "layers", "none")  # remat.bridge: how much of a step is bridged
 
 
 class ConfigError(errors.BridgeError, ValueError):
   """A config key or value the recipe does not accept; says which and what is valid."""
+
+
+def optimizer_choices():
+  """`train.optimizer`'s values: the `jb.optim` optimizers by name, then torch's AdamW.
+
+  Example:
+    >>> optimizer_choices()[-1]
+    'torch-adamw'
+  """
+  return (*jb.optim.optimizers(), TORCH_ADAMW)
 
 
 def model_choices():
@@ -106,7 +119,7 @@ def _typed(key, default, value):
 def check(cfg):
   """Raises ConfigError for values the recipe cannot run, naming the key and the valid choices."""
   train, remat, model, mesh = cfg["train"], cfg["remat"], cfg["model"], cfg["mesh"]
-  _choice("train.optimizer", train["optimizer"], OPTIMIZERS)
+  _choice("train.optimizer", train["optimizer"], optimizer_choices())
   _choice("train.schedule", train["schedule"], SCHEDULES)
   _choice("train.data", train["data"], ("corpus", "synthetic"))
   _choice("model.architecture", model["architecture"], ("llama", "mixtral"))
@@ -115,11 +128,11 @@ def check(cfg):
     raise ConfigError("train.master_weights=true keeps float32 copies of low-precision parameters, "
                       "but model.dtype is float32; set model.dtype=bfloat16 or drop master_weights.")
   _choice("remat.bridge", remat["bridge"], BRIDGES)
-  if remat["bridge"] == "step" and train["optimizer"] != "adamw":
-    raise ConfigError(f"train.optimizer={train['optimizer']}: remat.bridge=step runs the whole "
-                      f"step (loss, gradients and jb.optim.AdamW's update) as one graph node; "
-                      f"use train.optimizer=adamw, or remat.bridge=layers with "
-                      f"{train['optimizer']}.")
+  if remat["bridge"] == "step" and train["optimizer"] == TORCH_ADAMW:
+    raise ConfigError(f"train.optimizer={TORCH_ADAMW}: remat.bridge=step runs the whole step "
+                      f"(loss, gradients and a jb.optim optimizer's update) as one graph node; "
+                      f"use train.optimizer={' or '.join(jb.optim.optimizers())}, or "
+                      f"remat.bridge=layers with {TORCH_ADAMW}.")
   _choice("model.attention", model["attention"], tuple(ATTENTION))
   if model["attention"] != "reference" and remat["bridge"] == "none":
     raise ConfigError(f"model.attention={model['attention']} replaces attention inside bridged "
@@ -127,7 +140,7 @@ def check(cfg):
                       f"keep the reference attention; use remat.bridge=step (or layers) or "
                       f"model.attention=reference.")
   if remat["policy"] is not None:
-    _choice("remat.policy", remat["policy"], PRESETS)
+    _choice("remat.policy", remat["policy"], tuple(jb.remat.presets()))
   for field in ("save", "offload"):
     for name in remat[field]:
       _choice(f"remat.{field}", name, CHECKPOINT_NAMES)
@@ -200,6 +213,12 @@ def _check_optimizer(train):
   if train["max_grad_norm"] is not None and train["max_grad_norm"] < 0:
     raise ConfigError(f"train.max_grad_norm: must be > 0 (or null or 0: no clipping), got "
                       f"{train['max_grad_norm']}.")
+  cls = jb.optim.optimizers().get(train["optimizer"], torch.optim.AdamW)
+  accepted = sorted(set(inspect.signature(cls).parameters) - {"params"})
+  for key in train["optimizer_args"]:
+    if key not in accepted:
+      raise ConfigError(f"train.optimizer_args: {train['optimizer']} takes no argument {key!r}; "
+                        f"its arguments: {', '.join(accepted)}.")
   if not 0 <= train["warmup_steps"] <= train["steps"]:
     raise ConfigError(f"train.warmup_steps: must be between 0 and train.steps ({train['steps']}), "
                       f"got {train['warmup_steps']}.")
@@ -237,10 +256,8 @@ def remat_setting(cfg):
     >>> remat_setting(load(["remat.policy=dots"]))
     'dots'
   """
-  from torch_xla_jaxbridge.remat import Remat
-
   remat = cfg["remat"]
   if remat["save"] or remat["offload"]:
-    return Remat(save=tuple(remat["save"]), offload=tuple(remat["offload"]),
-                 policy=remat["policy"])
+    return jb.Remat(save=tuple(remat["save"]), offload=tuple(remat["offload"]),
+                    policy=remat["policy"])
   return remat["policy"]

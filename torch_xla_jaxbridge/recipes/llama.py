@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge import errors, flash_attention
-from torch_xla_jaxbridge.overrides import override_ops
-from torch_xla_jaxbridge.remat import checkpoint_name
+from torch_xla_jaxbridge import checkpoint_name, override_ops
 
 CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj",
                     "mlpwi", "mlpwo")
@@ -159,9 +159,7 @@ class Llama(nn.Module):
     h = self.embed(tokens)
     with override_ops(self.overrides):
       if self.use_scan:
-        from torch_xla_jaxbridge.scan import scan_layers
-
-        h = scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
+        h = jb.scan_layers(self.layers, h, remat=self.scan_remat, shared_args=(positions,))
       elif isinstance(self.layers, nn.ModuleList):
         for layer in self.layers:
           h = layer(h, positions)

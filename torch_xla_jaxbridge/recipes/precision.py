@@ -3,7 +3,8 @@ parameters and writes each result back in the parameter's dtype, so small update
 bfloat16 rounding (`train.master_weights=true`)."""
 import torch
 
-from torch_xla_jaxbridge import errors, spmd
+import torch_xla_jaxbridge as jb
+from torch_xla_jaxbridge import errors
 
 
 def master_weights(params, make_optimizer):
@@ -27,7 +28,7 @@ def master_weights(params, make_optimizer):
   """
   params = list(params)
   masters = [torch.nn.Parameter(p.detach().to(torch.float32)) for p in params]
-  spmd.shard_like(masters, spmd.shardings_of(params))
+  jb.spmd.shard_like(masters, jb.spmd.shardings_of(params))
   optimizer = make_optimizer(masters)
 
   def take_gradients(optimizer, args, kwargs):

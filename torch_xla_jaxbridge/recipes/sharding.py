@@ -11,7 +11,6 @@ import numpy as np
 import torch.nn.functional as F
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge import _compat, errors
 
 # Megatron-style placement over the `tensor` axis, by the parameter's last name parts:
 # column-parallel projections split their output features (dim 0), row-parallel their input (dim 1).
@@ -78,38 +77,12 @@ def param_spec(name, shape, fsdp, tensor):
 
 def place(value, mesh, spec):
   """The CPU tensor `value` as a tensor on the XLA device split by `spec` over `mesh`, made from
-  its shards: each device receives only its own part. (`value.to(device)` then `mark_sharding`
-  keeps another whole host copy of `value` until the mark.)
+  its shards: each device receives only its own part (`jb.spmd.place_from_cpu`).
 
   Example (needs 4 devices under `use_spmd()`; test_startup.py runs it on 4 virtual CPU devices):
     >>> weight = place(torch.ones(8, 4), make_mesh(4, 1), ("fsdp", None))  # doctest: +SKIP
   """
-  import torch_xla.runtime as xr
-
-  ids = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
-  if xr.addressable_runtime_device_count() != ids.size:
-    raise errors.BadArgumentError(
-        f"sharding.place: this process addresses {xr.addressable_runtime_device_count()} of the "
-        f"mesh's {ids.size} devices; placing shards supports one process holding every device.")
-  if len(spec) != value.dim() or not all(a is None or a in mesh.axis_names for a in spec):
-    raise errors.BadArgumentError(
-        f"sharding.place: spec {spec} needs one entry per dimension of a {value.dim()}-d tensor, "
-        f"each None or one of the mesh axes {mesh.axis_names}.")
-  shards = []
-  for device in range(ids.size):  # the process's devices, in ordinal order
-    coords = dict(zip(mesh.axis_names, np.argwhere(ids == device)[0]))
-    index = []
-    for size, axis in zip(value.shape, spec):
-      parts = mesh.mesh_shape[mesh.axis_names.index(axis)] if axis else 1
-      if size % parts:
-        raise errors.BadArgumentError(
-            f"sharding.place: dimension of size {size} does not split evenly over mesh axis "
-            f"{axis!r} of {parts} devices; shard a divisible dimension or replicate it (None).")
-      step = size // parts
-      index.append(slice(coords[axis] * step, (coords[axis] + 1) * step) if axis else slice(None))
-    shards.append(value[tuple(index)].contiguous())
-  return _compat.xlac()._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec),
-                                                        list(value.shape))
+  return jb.spmd.place_from_cpu(value, mesh, spec)
 
 
 def placer(mesh, device):

@@ -25,7 +25,6 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 
-from torch_xla_jaxbridge import _compat
 from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, metrics, precision, sharding
 
 
@@ -107,20 +106,20 @@ def _keep_metrics_until(path, step):
 
 
 def make_optimizer(params, t):
-  """The optimizer `train.optimizer` names, with the `train` section's lr, weight decay and (for
-  jb.optim.AdamW, which clips inside its step) max_grad_norm.
+  """The optimizer `train.optimizer` names, with the `train` section's lr and weight decay,
+  `train.optimizer_args` (over the recipe's defaults for it) and, for a `jb.optim` optimizer,
+  which clips inside its step, max_grad_norm.
 
   Example:
     >>> type(make_optimizer(torch.nn.Linear(2, 2).parameters(), config.load()["train"])).__name__
     'AdamW'
   """
-  lr, weight_decay = t["lr"], t["weight_decay"]
-  if t["optimizer"] == "adamw":
-    return jb.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
-                          max_grad_norm=t["max_grad_norm"] or None)
-  if t["optimizer"] == "torch-adamw":
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-  return jb.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+  kwargs = {"lr": t["lr"], "weight_decay": t["weight_decay"],
+            **config.OPTIMIZER_ARGS.get(t["optimizer"], {}), **t["optimizer_args"]}
+  if t["optimizer"] == config.TORCH_ADAMW:
+    return torch.optim.AdamW(params, **kwargs)
+  return jb.optim.optimizers()[t["optimizer"]](params, max_grad_norm=t["max_grad_norm"] or None,
+                                               **kwargs)
 
 
 def make_schedule(optimizer, t, start=0):
@@ -147,11 +146,12 @@ def optimizer_step(optimizer, schedule, model, t):
   clipping as an XLA tensor, None where nothing computed it; the learning rate of this step)."""
   lr = optimizer.param_groups[0]["lr"]
   norm = None
-  if not isinstance(optimizer, jb.optim.AdamW) and t["max_grad_norm"]:
+  clips_itself = isinstance(optimizer, jb.optim.RuleOptimizer)
+  if not clips_itself and t["max_grad_norm"]:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
   optimizer.step()
   schedule.step()
-  return (optimizer.grad_norm if isinstance(optimizer, jb.optim.AdamW) else norm), lr
+  return (optimizer.grad_norm if clips_itself else norm), lr
 
 
 def train(cfg, *, log=print):
@@ -355,7 +355,7 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
       "overlap_ms": statistics.median(overlaps) if overlaps else None,
   }
   if sharded_model is not None:  # each parameter's sharding as it left the last step
-    spec = _compat.xlac()._get_xla_sharding_spec
+    spec = jb.spmd.sharding_spec
     summary["param_shardings"] = {n: spec(p) for n, p in sharded_model.named_parameters()}
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
   log(f"done: {summary['steps_run']} steps, loss {summary['first_loss']} -> "

@@ -1,0 +1,1 @@
+"""The bridge: torch code traced once per signature, forward and backward as `jax.vjp` halves."""

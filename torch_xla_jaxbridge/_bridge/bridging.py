@@ -1,0 +1,194 @@
+"""`bridge`, `assume_pure`: torch code traced once per signature, its backward by `jax.vjp`.
+
+A bridged call prepares its arguments (`spec.prepare`), adds one `call_jax` node: the forward half
+of `jax.vjp` of the torchax-converted function, whose residuals stay in the graph as XLA tensors;
+when torch's backward reaches the call, a second node applies the saved `vjp` function to the
+output cotangents (`vjp`). Inside bridged code a bridged function runs in the enclosing trace
+(`inline`).
+"""
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import captures, inline, stateful, vjp
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._bridge import spec as spec_
+from torch_xla_jaxbridge._bridge.spec import Layout, register_static_pytree
+from torch_xla_jaxbridge._core import call, rng, runtime, tracing
+
+
+class Bridged:
+  """A torch function traced once per signature through torchax; see `bridge`.
+
+  Example:
+    >>> double = Bridged(lambda x: x * 2)
+    >>> double(torch.ones(2, device="xla")).cpu().tolist()
+    [2.0, 2.0]
+  """
+
+  def __init__(self, fn, *, remat=None, name=None):
+    self.policy = remat_policies.policy_for(remat)  # validates `remat`
+    self.offloads = remat_policies.offloads(remat)
+    self.fn = fn
+    self.name = call.function_name(fn, name)
+    self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
+    self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
+    functools.update_wrapper(self, fn, updated=())
+
+  def __call__(self, *args, **kwargs):
+    register_static_pytree()
+    if self.seeded and "rng_seed" not in kwargs:
+      raise errors.MissingSeedError(
+          f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
+          f"(an int or an integer tensor); none was given.")
+    seed = kwargs.pop("rng_seed") if self.seeded else None
+    if _any_traced((args, kwargs)):  # called inside bridged code: run in the enclosing trace
+      return inline.run_inline(self, args, kwargs, seed)
+    grad_on = torch.is_grad_enabled()
+    call_ = spec_.prepare(self.fn, self.name, args, kwargs,
+                          lambda t: grad_on and t.requires_grad)
+    device = _device(call_.diff, call_.other)
+    floats, others, mutated, layout = self.keyed(
+        lambda key: self._invoke(call_.spec, key, call_.diff, call_.other), device, seed)
+    write_back(self.name, (call_.args, call_.kwargs), layout.mutated, mutated, call_.diff)
+    floats, others = iter(floats), iter(others)
+    outputs = layout.out_tree.unflatten(
+        [next(floats) if is_float else next(others) for is_float in layout.float_mask])
+    if call_.boxed:
+      outputs, after = outputs
+      stateful.write_back(call_.boxed, after, device)
+    return stateful.unpack_outputs(outputs, device) if layout.packed else outputs
+
+  def keyed(self, invoke, device, seed=None):
+    """`invoke(key_data)` with the random key this call needs. Code that never draws random
+    numbers gets a constant key (drawing one costs host time, and a first call with a fresh key
+    would make a first-step program that differs from the rest); when the trace `invoke` makes
+    shows that it does draw, it is invoked again with a fresh key (`seed`: from that seed)."""
+    fresh = seed is not None or bool(self.draws_random)
+    result = invoke(rng.key_data(seed, device) if fresh else rng.constant_key_data(device))
+    if not fresh and self.draws_random:  # this call traced code that does: a fresh key
+      result = invoke(rng.key_data(None, device))
+    return result
+
+  def _invoke(self, spec, key_data, diff, other):
+    if diff:
+      holder = []
+      floats = vjp.VjpFunction.apply(self, spec, key_data, holder, tuple(other), *diff)
+      layout, others, mutated = holder[0]
+      return floats, others, mutated, layout
+    floats, others, mutated, layout = call.call_jax(
+        self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
+    return floats, others, mutated, layout
+
+  def run(self, spec, diff, other, key_data):
+    """The traced torch function on arrays: `(floats, (others, mutated, layout))`, the output
+    leaves split into floating-point ones (differentiable) and the rest."""
+    jax = runtime.jax_module()
+    args, kwargs = spec.merge(diff, other)
+    fn = captures.calling(self.fn, args)  # captured tensors put back where `fn` reads them
+    fn = stateful.packing(fn)  # outputs only torch's pytrees know (a Hugging Face ModelOutput)
+    if stateful.has_snapshots((args, kwargs)):
+      fn = stateful.functionalized(fn)
+    outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
+                                                      fn_name=self.name)
+    self.draws_random = bool(self.draws_random) or drew_random
+    out_leaves, out_tree = jax.tree.flatten(outputs)
+    float_mask = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)) for x in out_leaves)
+    floats = [x for x, f in zip(out_leaves, float_mask) if f]
+    others = [x for x, f in zip(out_leaves, float_mask) if not f]
+    positions = tuple(sorted(mutated))
+    layout = Layout(out_tree, float_mask, positions, stateful.has_packed(outputs))
+    return floats, (others, [mutated[i] for i in positions], layout)
+
+  def _plain_half(self, spec, other, key_data):
+    floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
+    return floats, others, mutated, layout
+
+  def forward_half(self, spec, diff, other, key_data):
+    """The forward half of `jax.vjp` of `run`: outputs, and the residuals the backward needs."""
+    return vjp.forward_half(lambda *d: self.run(spec, d, other, key_data), self.policy, diff)
+
+
+def _any_traced(tree):
+  traced = tracing.torchax_tensor_type()  # None until the first trace imports torchax
+  return traced is not None and any(
+      isinstance(leaf, traced) for leaf in runtime.jax_module().tree.leaves(tree))
+
+
+def _device(diff, other):
+  for tensor in diff + other:
+    if tensor.is_xla:
+      return tensor.device
+  import torch_xla
+  return torch_xla.device()
+
+
+def write_back(name, tree, positions, values, diff):
+  """Applies the in-place updates the traced code made to its arguments, as eager torch would."""
+  if not positions:
+    return
+  leaves = runtime.jax_module().tree.leaves(tree)
+  diff_ids = {id(t) for t in diff}
+  for pos, value in zip(positions, values):
+    target = leaves[pos]
+    if id(target) in diff_ids:
+      raise errors.MutationError(
+          f"{name}: an argument that requires grad (shape {tuple(target.shape)}) was modified in "
+          f"place. Bridged code cannot write that back without losing its gradient: work on a "
+          f"copy (`x = x.clone()`) or return the new value.")
+    with torch.no_grad():
+      target.copy_(value)
+
+
+def bridge(fn: Optional[Callable] = None, *, remat: remat_policies.RematArg = None,
+           name: Optional[str] = None) -> Callable:
+  """Decorator: the torch function is traced once per signature and runs as one graph node.
+
+  The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to
+  the LazyTensor graph through `call_jax`; torch's backward adds the backward half. Only tensors
+  that require grad get gradients. Randomness (dropout, `torch.rand*`) is fresh on every call
+  and reproducible under `torch_xla.manual_seed`. In-place updates of arguments are written back.
+
+  Args:
+    fn: a torch function of tensors (and static values) returning tensors.
+    remat: what the backward keeps: None (what `jax.vjp` keeps), a preset (`"full"`, `"dots"`,
+      `"dots_no_batch"`, `"minimal"`, `"minimal_offloaded"`), a `jb.Remat`, or a
+      `jax.checkpoint_policies` policy. See docs/remat.md.
+    name: IR node name prefix; defaults to the function's name.
+
+  Returns:
+    The bridged function, with the same call signature.
+
+  Example:
+    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> @jb.bridge
+    ... def mlp(x, w1, w2):
+    ...   return torch.relu(x @ w1) @ w2
+    >>> x = torch.randn(4, 8, device="xla")
+    >>> w1 = torch.randn(8, 16, device="xla", requires_grad=True)
+    >>> w2 = torch.randn(16, 2, device="xla", requires_grad=True)
+    >>> mlp(x, w1, w2).sum().backward()
+  """
+  if fn is None:
+    return functools.partial(bridge, remat=remat, name=name)
+  return Bridged(fn, remat=remat, name=name)
+
+
+def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False,
+                remat: remat_policies.RematArg = None) -> Callable:
+  """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
+
+  Unlike upstream, randomness inside `fn` is fresh on every call already. With
+  `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
+  tensor) that fixes the randomness instead, as upstream's does. `remat=` is as for `bridge`.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
+    >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
+  """
+  bridged = Bridged(fn, remat=remat)
+  bridged.seeded = add_rng_seed_argument
+  return bridged

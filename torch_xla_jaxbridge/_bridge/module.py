@@ -1,0 +1,94 @@
+"""`BridgeModule`, `PureModule`: a module whose forward is bridged, still the same module.
+
+Structurally identical modules (the layers of a decoder stack) share one `Bridged` function, so
+one trace serves them all.
+"""
+import functools
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._bridge.bridging import Bridged
+from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._core import modules
+
+
+_SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers
+
+
+class BridgeModule(torch.nn.Module):
+  """Wraps a module so its forward is bridged, while it stays the same module to its callers.
+
+  Parameters, buffers and submodules are the wrapped module's own (the same dictionaries), so
+  optimizers, `state_dict()` keys, `.to()`, tied weights and `train()`/`eval()` behave as on the
+  wrapped module, and other attributes are read from it. Structurally identical modules (same
+  classes, shapes and plain attributes, e.g. the layers of a decoder stack) share one trace.
+  Non-tensor attributes are read when a signature is first traced.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layer = jb.BridgeModule(torch.nn.Linear(8, 8).to("xla"))
+    >>> layer(torch.randn(2, 8, device="xla")).sum().backward()
+    >>> layer.weight.grad.shape
+    torch.Size([8, 8])
+  """
+
+  def __init__(self, module: torch.nn.Module, *, remat: remat_policies.RematArg = None):
+    super().__init__()
+    if not isinstance(module, torch.nn.Module):
+      raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
+    object.__setattr__(self, "_wrapped", module)
+    object.__setattr__(self, "_state", modules.StateWalk(module))
+    torch_private.share_tables(self, module)
+    self.training = module.training
+    key = modules.structure_key(module)
+    shared = _SHARED.get((key, remat)) if key is not None else None
+    if shared is None:
+      shared = Bridged(functools.partial(modules.module_forward, module), remat=remat,
+                       name=type(module).__name__)
+      if key is not None:
+        _SHARED[(key, remat)] = shared
+    self._bridged = shared
+
+  @property
+  def wrapped(self):
+    """The module whose forward is bridged."""
+    return self._wrapped
+
+  def forward(self, *args, **kwargs):
+    params, buffers, training = self._state.state()
+    return self._bridged(params, buffers, training, args, kwargs)
+
+  def train(self, mode=True):
+    self._wrapped.train(mode)
+    self.training = mode
+    return self
+
+  def __getattr__(self, name):
+    try:
+      return super().__getattr__(name)
+    except AttributeError:
+      return getattr(object.__getattribute__(self, "_wrapped"), name)
+
+  def __getitem__(self, index):
+    return self._wrapped[index]
+
+  def __len__(self):
+    return len(self._wrapped)
+
+  def __iter__(self):
+    return iter(self._wrapped)
+
+  def extra_repr(self):
+    return f"bridged: {type(self._wrapped).__name__}"
+
+
+class PureModule(BridgeModule):
+  """Upstream `torch_xla.experimental.assume_pure.PureModule`'s call: a `BridgeModule`.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layer = jb.PureModule(torch.nn.Linear(4, 4).to("xla"))
+  """

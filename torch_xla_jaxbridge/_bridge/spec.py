@@ -1,0 +1,166 @@
+"""The static part of a bridged call (`Spec`), and a call's arguments prepared for the trace.
+
+`prepare` lifts the tensors a function reads from its closure, globals and `self` into a first
+argument, passes argument objects holding tensors as their state, and splits the tensors into
+those that need gradients and the rest; the `Spec` that merges them back (structure, static
+values, markers) keys the trace cache. `Layout` and `Residuals` are what a trace learns about its
+outputs and its backward; they travel through `call_jax` as static output structure.
+"""
+import dataclasses
+import functools
+
+import torch
+
+from torch_xla_jaxbridge._bridge import captures, stateful
+from torch_xla_jaxbridge._core import call, plain, runtime, tracing
+
+DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
+
+
+class _Same(int):
+  """Marks a tensor leaf that is the same tensor as the leaf at this earlier position."""
+  __slots__ = ()
+_ATOMS = (bool, int, float, str, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What a trace learned about its outputs; travels as static data through `call_jax`."""
+  out_tree: object
+  float_mask: tuple
+  mutated: tuple  # positions (among all argument leaves) updated in place
+  packed: bool  # outputs in a structure only torch's pytrees know (stateful.pack_outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """How to rebuild the `vjp` function from the residual tensors it was flattened to: each
+  residual is either a differentiable input, passed to the backward as it is (`sources[i]`
+  indexes `inputs`), or a value the forward computed and returned (`sources[i]` is None)."""
+  tree: object
+  sources: tuple
+  inputs: tuple  # positions, among the differentiable inputs, of those the backward reads
+  dtypes: tuple  # of the computed residuals
+  on_host: tuple  # offloaded computed residuals
+  sequenced: bool = False  # a remat policy recomputes: only once the cotangents have arrived
+
+
+class Spec:
+  """The static part of a bridged call: argument structure, non-tensor values, which tensors
+  need gradients. Equal specs (same structure, markers and static keys) share a trace.
+
+  Example:
+    >>> spec, diff, other = Spec.split(((torch.ones(2, requires_grad=True), 3), {}),
+    ...                                lambda t: t.requires_grad, "f")
+    >>> spec, len(diff), len(other)
+    (<tensors needing grad: g>, 1, 0)
+  """
+
+  def __init__(self, treedef, leaves, keys, objects=""):
+    self.treedef = treedef
+    self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
+    self.objects = objects  # the argument objects passed as their state, for re-trace reasons
+    self.context = tracing.trace_keys()  # e.g. the autocast state at this call
+    self.keyed = keys is not None  # False: an unhashable static, until `stateful.box` takes it
+    self._key = (treedef, keys, self.context)
+
+  @classmethod
+  def split(cls, tree, needs_grad, caller):
+    """`(spec, diff, other)` for a pytree of arguments: the tensors for which `needs_grad(t)`
+    holds, the other tensors, and the spec that merges them back. A static leaf that cannot key
+    the trace cache is an error naming it."""
+    jax = runtime.jax_module()
+    leaves, treedef = jax.tree.flatten(tree)
+    markers, diff, other, first = [], [], [], {}
+    for position, leaf in enumerate(leaves):
+      if isinstance(leaf, torch.Tensor):
+        if id(leaf) in first:  # the same tensor again: one input, so the trace sees one tensor
+          markers.append(_Same(first[id(leaf)]))
+          continue
+        first[id(leaf)] = position
+        needs = needs_grad(leaf)
+        (diff if needs else other).append(leaf)
+        markers.append(DIFF if needs else OTHER)
+      else:
+        markers.append(leaf)
+    statics = [m for m in markers if m is not DIFF and m is not OTHER]
+    objects = any(type(m) not in _ATOMS and stateful.may_hold_state(m) for m in statics)
+    try:  # the common statics (flags, sizes, None) keyed by type and value without plain.key
+      keys = tuple([(type(m), m) if type(m) in _ATOMS else plain.static_key(m) for m in statics])
+    except plain.NotPlain:
+      if not objects:  # an object may yet be passed as its state (`stateful.box`)
+        call.static_keys(markers, tree, caller)  # raises, naming the leaf
+      keys = None
+    spec = cls(treedef, tuple(markers), keys)
+    spec.has_objects = objects
+    return spec, diff, other
+
+  def __eq__(self, other):
+    return isinstance(other, Spec) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __repr__(self):  # read in re-trace reasons
+    marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
+    return f"<tensors needing grad: {marks}{self.objects}>"
+
+  def describe_change(self, old):  # a re-trace reason when only the context changed
+    if isinstance(old, Spec) and old._key[:2] == self._key[:2]:
+      return tracing.describe_key_change(old.context, self.context)
+    return None
+
+  def merge(self, diff, other):
+    """The arguments' pytree with `diff` and `other` put back at their positions (a tensor that
+    was passed twice at each of its places)."""
+    diff, other = iter(diff), iter(other)
+    full = []
+    for v in self.leaves:
+      full.append(next(diff) if v is DIFF else next(other) if v is OTHER else
+                  full[v] if type(v) is _Same else v)
+    return self.treedef.unflatten(full)
+
+
+@functools.cache
+def register_static_pytree():
+  """Lets `Layout` and `Residuals` travel through `call_jax` as static output structure (once)."""
+  jax = runtime.jax_module()
+  for static in (Layout, Residuals):
+    jax.tree_util.register_pytree_node(static, lambda x: ((), x), lambda aux, _: aux)
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A call's arguments ready for the trace (see `prepare`)."""
+  args: tuple
+  kwargs: dict
+  spec: Spec
+  diff: list  # the tensors that need gradients
+  other: list  # the other tensors
+  boxed: tuple  # (argument object, its Snapshot) for objects passed as their state
+
+
+def prepare(fn, name, args, kwargs, needs_grad) -> Prepared:
+  """`fn(*args, **kwargs)`'s arguments for a bridged call: the tensors and modules `fn` reads from
+  its closure, globals and `self` lifted into a first argument, argument objects that hold
+  tensors (a Hugging Face cache) replaced by their `Snapshot`, and the tensors split by
+  `needs_grad(t)` into `diff` and `other`.
+
+  Example:
+    >>> w = torch.ones(2, device="xla", requires_grad=True)
+    >>> x = torch.ones(2, device="xla")
+    >>> prepared = prepare(lambda x: x * w, "f", (x,), {}, lambda t: t.requires_grad)
+    >>> len(prepared.diff), len(prepared.other)
+    (1, 1)
+  """
+  args = captures.with_captures(fn, name, args)
+  spec, diff, other = Spec.split((args, kwargs), needs_grad, name)
+  boxed = ()
+  if spec.has_objects:  # argument objects holding tensors: passed as their state
+    (args, kwargs), boxed = stateful.box((args, kwargs))
+    spec, diff, other = Spec.split((args, kwargs), needs_grad, name)
+    if not spec.keyed:  # an unhashable object that holds no tensor: name it
+      call.static_keys(spec.leaves, (args, kwargs), name)
+  if boxed:
+    spec.objects = "".join(f"; {stateful.summary(obj, snap)}" for obj, snap in boxed)
+  return Prepared(args, kwargs, spec, diff, other, tuple(boxed))

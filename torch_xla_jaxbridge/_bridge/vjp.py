@@ -1,0 +1,149 @@
+"""The two halves of `jax.vjp` as graph nodes, and their `torch.autograd.Function`.
+
+The forward half returns the outputs and the residuals the backward needs; torch's backward runs
+the backward half on them as a second node. With a remat policy, the recomputation runs in a
+conditional XLA cannot fold, so it happens once the cotangents exist and is not merged with the
+forward it repeats.
+"""
+import contextlib
+import threading
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._bridge.spec import Residuals
+from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._core import call, dtypes, runtime, sharding
+
+DIFFERENTIATED = threading.local()  # .on: the function being traced is under jax.vjp / grad
+
+
+def forward_half(run, policy, diff):
+  """The forward half of `jax.vjp` of `run(*diff)` (in `jax.checkpoint` under `policy`):
+  `(floats, others, mutated, (Residuals, computed residuals), layout)` for `run`'s outputs
+  `(floats, (others, mutated, layout))`."""
+  jax = runtime.jax_module()
+  if policy is not None:
+    run = jax.checkpoint(run, policy=policy)
+  with differentiated():
+    floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
+  residuals, tree = jax.tree.flatten(vjp_fn)
+  # a residual that is one of the inputs (a weight kept for the input's gradient) is not
+  # returned by the forward: that would add an output, and a copy, per parameter
+  position = {id(x): i for i, x in enumerate(diff)}
+  used = sorted({position[id(r)] for r in residuals if id(r) in position})
+  index = {p: i for i, p in enumerate(used)}
+  sources = tuple(index.get(position.get(id(r))) for r in residuals)
+  computed = [r for r, source in zip(residuals, sources) if source is None]
+  on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
+                  for r in computed)
+  kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host,
+                   policy is not None)
+  computed = [dtypes.torch_compatible(jax, r) for r in computed]
+  return floats, others, mutated, (kept, computed), layout
+
+
+def backward_half(saved, inputs, cotangents):
+  """The backward half: gradients of the differentiable inputs, from the forward's residuals."""
+  jax = runtime.jax_module()
+  kept, computed = saved
+  computed = [dtypes.restore(jax, r, d) for r, d in zip(computed, kept.dtypes)]
+  # an offloaded residual arrives as it left the forward, in host memory; the vjp moves it back
+  computed = iter([jax.device_put(r, jax.memory.Space.Host) if host else r
+                   for r, host in zip(computed, kept.on_host)])
+  residuals = [next(computed) if source is None else inputs[source] for source in kept.sources]
+  vjp = lambda r, c: kept.tree.unflatten(r)(c)  # noqa: E731
+  cotangents = list(cotangents)
+  if kept.sequenced and any(c.size for c in cotangents):
+    return _in_conditional(vjp, residuals, cotangents)
+  return vjp(residuals, cotangents)
+
+
+@contextlib.contextmanager
+def differentiated():
+  """While tracing in the block, bridged calls inside the traced code know that it is being
+  differentiated: a remat policy's backward then goes in a conditional (`sequenced`)."""
+  before = getattr(DIFFERENTIATED, "on", False)
+  DIFFERENTIATED.on = True
+  try:
+    yield
+  finally:
+    DIFFERENTIATED.on = before
+
+
+def sequenced(fn):
+  """`fn` (a `jax.checkpoint`ed function) whose backward runs in `_in_conditional`: inside one
+  enclosing trace (a bridged call in bridged code, `jb.train_step`) XLA would otherwise merge the
+  policy's recomputation with the forward, as it does across two nodes."""
+  jax = runtime.jax_module()
+
+  @jax.custom_vjp
+  def call(*arrays):
+    return fn(*arrays)
+
+  def forward(*arrays):
+    return jax.vjp(fn, *arrays)
+
+  def backward(vjp, cotangent):
+    leaves, tree = jax.tree.flatten(vjp)
+    cts, ct_tree = jax.tree.flatten(cotangent)
+    inexact = [i for i, c in enumerate(cts) if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact)]
+
+    def run(r, c):  # the float0 cotangents of integer outputs stay outside the conditional
+      full = list(cts)
+      for i, value in zip(inexact, c):
+        full[i] = value
+      return tree.unflatten(r)(ct_tree.unflatten(full))
+
+    floats = [cts[i] for i in inexact]
+    if not any(c.size for c in floats):
+      return run(leaves, floats)
+    return _in_conditional(run, leaves, floats)
+
+  call.defvjp(forward, backward)
+  return call
+
+
+def _in_conditional(vjp, residuals, cotangents):
+  """`vjp(residuals, cotangents)` inside a conditional XLA cannot fold. The step is one program: in
+  line, XLA merges a remat policy's recomputation with the forward it repeats (or runs it early)
+  and keeps its values, so the policy saved nothing; a conditional's branch is its own
+  computation, run only once the cotangents exist, its values freed when it returns."""
+  jax = runtime.jax_module()
+  first = jax.numpy.real(next(c for c in cotangents if c.size).ravel()[0])
+  always = ~((first < 0) & (first >= 0))  # true for every value, NaN included
+  nothing = lambda r, c: jax.tree.map(jax.numpy.zeros_like, jax.eval_shape(vjp, r, c))  # noqa
+  return jax.lax.cond(always, vjp, nothing, residuals, cotangents)
+
+
+class VjpFunction(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, bridged, spec, key_data, holder, other, *diff):
+    if bridged.offloads and runtime.lowering_platform() == "cpu":
+      remat_policies.warn_offload_dropped("cpu")
+    floats, others, mutated, saved, layout = call.call_jax(
+        bridged.forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
+    ctx.saved = saved
+    ctx.save_for_backward(*[diff[i] for i in saved[0].inputs])  # torch checks their versions
+    ctx.name = bridged.name
+    ctx.shardings = sharding.shardings_of(diff)
+    holder.append((layout, others, mutated))
+    return tuple(floats)
+
+  @staticmethod
+  def backward(ctx, *cotangents):
+    try:
+      grads = call.call_jax(backward_half, (ctx.saved, list(ctx.saved_tensors), cotangents),
+                            name=f"{ctx.name}_bwd")
+    except errors.JaxTracingError as e:
+      if not jax_private.is_while_loop_gradient_error(e):
+        raise
+      raise errors.ControlFlowError(
+          f"{ctx.name}: a gradient was asked through torch.while_loop, whose trip count depends "
+          f"on the data; JAX's while loop is forward-only. Use jb.fori_loop(lower, upper, body, "
+          f"init) when the count is known, run the loop under torch.no_grad(), or detach its "
+          f"inputs.") from e
+    sharding.shard_like(grads, ctx.shardings)  # a gradient is sharded as its input, not left to chance
+    return (None, None, None, None, None, *grads)

@@ -1,0 +1,187 @@
+"""torch's private entry points and attributes, one function each.
+
+Each says why the package needs it, what breaks if it changes and the public alternative where
+one exists; `test/test_compat.py` checks each directly.
+"""
+import functools
+from typing import Any, Callable
+
+import torch
+
+CHECKPOINT_HOOK = "__dynamo_disable"
+
+
+# --- torch's pytrees: the structures torch code returns that JAX's pytrees do not know -----------
+# (Hugging Face `ModelOutput`s register there). Public alternative: `torch.utils.pytree` in newer
+# torch.
+
+def tree_flatten(tree: Any) -> tuple:
+  """`(leaves, spec)` of `tree` by torch's pytrees.
+
+  Example:
+    >>> tree_flatten({"a": 1})[0]
+    [1]
+  """
+  import torch.utils._pytree
+
+  return torch.utils._pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+  """Undoes `tree_flatten`.
+
+  Example:
+    >>> tree_unflatten([2], tree_flatten({"a": 1})[1])
+    {'a': 2}
+  """
+  import torch.utils._pytree
+
+  return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def tree_leaves(tree: Any) -> list:
+  """The leaves of `tree` by torch's pytrees.
+
+  Example:
+    >>> tree_leaves([1, (2, 3)])
+    [1, 2, 3]
+  """
+  import torch.utils._pytree
+
+  return torch.utils._pytree.tree_leaves(tree)
+
+
+# --- nn.Module's own tables: read and written directly for speed ----------------------------------
+# (walking `named_parameters()` each call was a large share of a bridged call's host time). Public
+# alternative: `named_parameters(recurse=False)` and friends, read only.
+
+def parameters_table(module: torch.nn.Module) -> dict:
+  """The module's own parameter dict (`name -> Parameter or None`), the live one.
+
+  Example:
+    >>> sorted(parameters_table(torch.nn.Linear(2, 2)))
+    ['bias', 'weight']
+  """
+  return module._parameters
+
+
+def buffers_table(module: torch.nn.Module) -> dict:
+  """The module's own buffer dict (`name -> Tensor or None`), the live one.
+
+  Example:
+    >>> sorted(buffers_table(torch.nn.BatchNorm1d(2)))
+    ['num_batches_tracked', 'running_mean', 'running_var']
+  """
+  return module._buffers
+
+
+def children_table(module: torch.nn.Module) -> dict:
+  """The module's own submodule dict (`name -> Module or None`), the live one.
+
+  Example:
+    >>> list(children_table(torch.nn.Sequential(torch.nn.ReLU())))
+    ['0']
+  """
+  return module._modules
+
+
+def share_tables(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
+  """Makes `wrapper` hold `module`'s own parameter, buffer and submodule dicts (the same objects),
+  so both show the same state (`jb.BridgeModule`).
+
+  Example:
+    >>> wrapper, inner = torch.nn.Module(), torch.nn.Linear(2, 2)
+    >>> share_tables(wrapper, inner); sorted(dict(wrapper.named_parameters()))
+    ['bias', 'weight']
+  """
+  wrapper._parameters = module._parameters
+  wrapper._buffers = module._buffers
+  wrapper._non_persistent_buffers_set = module._non_persistent_buffers_set
+  wrapper._modules = module._modules
+
+
+# --- torch.utils.checkpoint -----------------------------------------------------------------------
+
+@functools.cache
+def torch_checkpoint_target() -> Callable:
+  """The function inside torch's `torch.utils.checkpoint.checkpoint` wrapper. The wrapper calls
+  the function stored as its `__dynamo_disable` attribute (a cache torch fills on first use), so
+  setting that attribute reroutes every reference to `checkpoint`, however it was imported. If
+  torch changes this, `torch.utils.checkpoint` inside bridged code runs without recomputation
+  (still correct); `test_compat` checks the wrapper reads the attribute.
+
+  Example:
+    >>> torch_checkpoint_target().__name__
+    'checkpoint'
+  """
+  import torch.utils.checkpoint
+
+  return torch.utils.checkpoint.checkpoint.__wrapped__
+
+
+def dynamo_disabled(fn: Callable) -> Callable:
+  """What torch's wrapper stores in the hook when nobody else does.
+
+  Example:
+    >>> callable(dynamo_disabled(print))
+    True
+  """
+  import torch._dynamo
+
+  return torch._dynamo.disable(fn, recursive=True, wrapping=False)
+
+
+# --- torch.compile --------------------------------------------------------------------------------
+
+def register_compile_backend(fn: Callable, name: str) -> None:
+  """Registers a torch.compile backend under `name` unless one is (the documented way is this
+  private module's `register_backend`).
+
+  Example:
+    >>> "jaxbridge" in torch.compiler.list_backends()  # registered when the package is imported
+    True
+  """
+  import torch._dynamo
+
+  if name not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(fn, name=name)
+
+
+def higher_order_operators() -> dict:
+  """torch's higher-order control-flow operators by name: `{"cond": ..., "while_loop": ...}`.
+
+  Example:
+    >>> sorted(higher_order_operators())
+    ['cond', 'while_loop']
+  """
+  from torch._higher_order_ops.cond import cond_op
+  from torch._higher_order_ops.while_loop import while_loop_op
+
+  return {"cond": cond_op, "while_loop": while_loop_op}
+
+
+# --- autocast and autograd ------------------------------------------------------------------------
+
+def autocast_registrations(dispatch_key: str) -> set:
+  """The ops with a kernel for an autocast dispatch key (`"AutocastXLA"`, `"AutocastCPU"`), as
+  `"aten::name.overload"` strings. torch has no public way to read its autocast op lists; the
+  bridge's own policy table (`autocast.XLA_POLICY`) is checked against this in the tests, so a
+  torch_xla release that adds or drops an autocast op fails there instead of silently differing.
+
+  Example:
+    >>> "aten::matmul" in autocast_registrations("AutocastXLA")
+    True
+  """
+  return set(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
+
+
+def is_saved_tensor_modified_error(exc: BaseException) -> bool:
+  """Whether `exc` is autograd's report that a tensor saved for backward was changed in place (a
+  RuntimeError identified by its message; torch has no class for it). If torch rewords it, its
+  own RuntimeError reaches the user instead of the package's MutationError: still an error.
+
+  Example:
+    >>> is_saved_tensor_modified_error(RuntimeError("x"))
+    False
+  """
+  return "inplace operation" in str(exc)

@@ -1,0 +1,111 @@
+"""torchax's private hooks, one function each; `test/test_compat.py` checks each directly."""
+from typing import Any, Callable
+
+
+def set_array(tensor: Any, array: Any) -> None:
+  """Replaces the JAX array inside a torchax tensor (in-place updates: batch norm statistics,
+  `xs.mark_sharding`). Reading is public (`tensor.jax()`); writing is not.
+
+  Example:
+    >>> import jax, torchax.tensor
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> t = torchax.tensor.Tensor(jax.numpy.zeros(2), tracing.environment())
+    >>> set_array(t, jax.numpy.ones(2)); t.jax().tolist()
+    [1.0, 1.0]
+  """
+  tensor._elem = array
+
+
+def environment_class(on_plain_tensor: Callable) -> type:
+  """A torchax Environment in which new tensors are JAX values whatever device they name: it
+  overrides torchax's `_should_use_torchax_tensor` and `_is_same_device` (private hooks; if they
+  are renamed, `torch.zeros(3, device="cpu")` inside bridged code becomes a real CPU tensor and
+  math with it an error). `on_plain_tensor(t)` is called for a plain torch tensor that traced
+  code mixes into its math (torchax only `assert`s, which `python -O` removes).
+
+  Example:
+    >>> env_type = environment_class(on_plain_tensor=print)
+  """
+  import torch
+  import torchax.tensor
+
+  from torch_xla_jaxbridge._compat import torch_private
+
+  class BridgeEnvironment(torchax.tensor.Environment):
+
+    def _should_use_torchax_tensor(self, device):
+      return True
+
+    def _is_same_device(self, the_tensor, new_device):
+      return True
+
+    def t2j_iso(self, torchtensors):
+      for leaf in torch_private.tree_leaves(torchtensors):
+        if isinstance(leaf, torch.Tensor) and not isinstance(
+            leaf, (torchax.tensor.Tensor, torchax.tensor.View)):
+          on_plain_tensor(leaf)
+      return super().t2j_iso(torchtensors)
+
+  return BridgeEnvironment
+
+
+def current_key(env: Any) -> Any:
+  """The PRNG key torchax draws from now (changes when code draws random numbers).
+
+  Example:
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> current_key(tracing.environment()) is not None
+    True
+  """
+  return env.param.prng
+
+
+def batch_norm_forward(*args: Any) -> tuple:
+  """torchax's batch norm kernel on arrays: `(out, mean, rstd)`. The package reuses it and adds
+  the running-statistics update torchax drops.
+
+  Example:
+    >>> callable(batch_norm_forward)
+    True
+  """
+  from torchax.ops import jaten
+
+  return jaten._aten__native_batch_norm_legit(*args)
+
+
+def register_higher_order_rule(operator: Any, rule: Callable) -> None:
+  """Makes torch's higher-order `operator` (cond, while_loop) run `rule(mode, ...)` under
+  torchax's dispatch mode. torch's `py_impl` is the registration torch's own modes use.
+
+  Example:
+    >>> callable(register_higher_order_rule)
+    True
+  """
+  import torchax.tensor
+
+  operator.py_impl(torchax.tensor.XLADispatchMode)(rule)
+
+
+def wrap_dispatch(env: Any, wrapper: Callable) -> None:
+  """Makes every op torchax converts in `env` go through `wrapper(dispatch, func, types, args,
+  kwargs)`, where `dispatch` is torchax's own conversion. torchax's function mode, dispatch mode
+  and tensor class all call `env.dispatch(...)` (tensor.py), so an attribute on the instance sees
+  each op at both levels (torch functions such as `F.linear`, then aten ops). If torchax stops
+  routing through it, autocast inside bridged code stops applying; `test_compat` checks it. Done
+  once per environment. Public alternative: none (torchax's own autocast hook reads one global
+  policy table and lacks torch_xla's list).
+
+  Example:
+    >>> import types
+    >>> env = types.SimpleNamespace(dispatch=lambda func, types, args, kwargs: func(*args))
+    >>> wrap_dispatch(env, lambda dispatch, func, *rest: -dispatch(func, *rest))
+    >>> env.dispatch(abs, (), (-2,), None)
+    -2
+  """
+  wrappers = env.__dict__.setdefault("_bridge_dispatch_wrappers", [])
+  if wrapper in wrappers:
+    return
+  wrappers.append(wrapper)
+  original = env.dispatch
+  env.dispatch = lambda func, types, args=(), kwargs=None: wrapper(original, func, types, args,
+                                                                    kwargs)

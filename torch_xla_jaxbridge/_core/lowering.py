@@ -1,0 +1,213 @@
+"""JAX function + abstract signature -> torch_xla computation, and the cache that holds them.
+
+A signature is everything the traced program depends on: the pytree structure of the arguments,
+each tensor's shape and dtype, each static (non-tensor) value, and JAX's trace-time config.
+Functions are held weakly, so closures that die take their entries with them.
+"""
+import collections
+import dataclasses
+import logging
+import re
+import threading
+import types
+import weakref
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
+from torch_xla_jaxbridge._core import runtime
+
+logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
+
+_REASONS_KEPT = 256
+
+CacheInfo = collections.namedtuple(
+    "CacheInfo", ["hits", "misses", "maxsize", "currsize", "retrace_reasons"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  """One traced and lowered signature: the computation to call and how to rebuild its outputs."""
+  op_name: str
+  computation: object  # torch_xla XlaComputation
+  out_tree: object  # jax PyTreeDef of the outputs
+  leaf_paths: tuple  # readable path of each input leaf, for re-trace reasons
+
+
+def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
+  """Traces `flat_fn(*avals)` and lowers it to a torch_xla computation.
+
+  `flat_fn` takes the tensor leaves and returns `(out_leaves, out_tree)` as a JAX function would;
+  `out_tree` is captured during tracing.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> avals = [jax.ShapeDtypeStruct((2,), jax.numpy.float32)]
+    >>> comp, tree = lower(lambda x: jax.tree.flatten(x * 2), avals, op_name="xla::double",
+    ...                    enable_x64=False)
+  """
+  jax = runtime.jax_module()
+  out_tree = []
+
+  def leaves_only(*flat_args):
+    leaves, tree = flat_fn(*flat_args)
+    out_tree.append(tree)
+    return leaves
+
+  with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
+    try:
+      with jax.checking_leaks():
+        traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
+    except Exception as e:
+      if not jax_private.is_leak_error(e):
+        raise
+      raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
+    lowered = traced.lower(lowering_platforms=(platform or runtime.lowering_platform(),))
+    proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+  computation = torch_xla_private.computation_from_proto(op_name, proto)
+  return computation, out_tree[0]
+
+
+MAX_SIGNATURES_PER_FUNCTION = 64
+
+
+def _leak_message(op_name, jax_message):
+  """Our message for JAX's 'Leaked trace' report: who holds the first leaked value."""
+  chain = []
+  for line in jax_message.splitlines():
+    if "is referred to by" in line:
+      chain.append(line.strip())
+    elif chain:
+      break  # the first leaked value's chain is enough
+  holder = "an object outside the function"
+  for line in chain:
+    subject, referrer = (part.strip() for part in line.split("is referred to by", 1))
+    if not referrer.startswith("<"):  # a module-level name: the clearest answer
+      holder = referrer
+      break
+    if subject.startswith("<Tensor ") and holder == "an object outside the function":
+      holder = re.sub(r"<(\w+) \d+>", r"\1", referrer)
+  return (f"{op_name.removeprefix('xla::')}: a tensor computed inside the traced function was "
+          f"kept outside it, in {holder}. Traced code runs once, so that tensor would hold a "
+          f"placeholder, not a value: return it as an output instead of storing it in a global, "
+          f"a list or an attribute (`self.x = ...`). How it is held:\n  " + "\n  ".join(chain))
+
+
+class _FunctionEntries:
+  """The lowered signatures of one function (least recently used first) and its last signature."""
+  __slots__ = ("by_signature", "last_signature")
+
+  def __init__(self):
+    self.by_signature = {}
+    self.last_signature = None
+
+
+class LoweringCache:
+  """Lowered computations keyed by (function, signature).
+
+  Functions are held weakly; code objects (the anchor of closures over plain values, see
+  `call._cache_anchor`) strongly, as they live as long as the program. Each function keeps at most
+  `MAX_SIGNATURES_PER_FUNCTION` signatures, evicting the least recently used.
+
+  Example:
+    >>> cache = LoweringCache()
+    >>> cache.info().currsize
+    0
+  """
+
+  def __init__(self):
+    self._weak = weakref.WeakKeyDictionary()
+    self._strong = {}
+    self._lock = threading.Lock()
+    self.hits = 0
+    self.misses = 0
+    self._reasons = collections.deque(maxlen=_REASONS_KEPT)
+
+  def _table(self, anchor):
+    return self._strong if isinstance(anchor, types.CodeType) else self._weak
+
+  def _function(self, anchor, subkey):
+    entries = self._table(anchor).get(anchor)
+    return entries.get(subkey) if entries is not None else None
+
+  def lookup(self, anchor, subkey, signature):
+    """Returns the `Lowered` for this signature, or None (counting a miss)."""
+    per_function = self._function(anchor, subkey)
+    if per_function is not None:
+      table = per_function.by_signature
+      found = table.get(signature)  # hashing a signature of many tensors costs: once if we can
+      if found is not None:
+        if len(table) > 1:  # most recently used last
+          del table[signature]
+          table[signature] = found
+        self.hits += 1
+        per_function.last_signature = signature
+        return found
+    self.misses += 1
+    return None
+
+  def previous(self, anchor, subkey):
+    """The (signature, Lowered) this function was last called with, or None if never traced."""
+    per_function = self._function(anchor, subkey)
+    if per_function is None or per_function.last_signature not in per_function.by_signature:
+      return None
+    last = per_function.last_signature
+    return last, per_function.by_signature[last]
+
+  def add(self, anchor, subkey, signature, lowered, reason=None):
+    """Stores a newly lowered signature; `reason` says why a known function was re-traced."""
+    with self._lock:
+      entries = self._table(anchor).setdefault(anchor, {})
+      per_function = entries.setdefault(subkey, _FunctionEntries())
+      table = per_function.by_signature
+      table[signature] = lowered
+      while len(table) > MAX_SIGNATURES_PER_FUNCTION:
+        del table[next(iter(table))]
+      per_function.last_signature = signature
+    if reason is not None:
+      self._reasons.append(reason)
+      logger.debug("re-trace: %s", reason)
+
+  def info(self):
+    """Counters in the shape of functools' CacheInfo, plus the recent re-trace reasons."""
+    size = 0
+    for table in (self._weak, self._strong):
+      for entries in list(table.values()):
+        size += sum(len(e.by_signature) for e in entries.values())
+    return CacheInfo(self.hits, self.misses, MAX_SIGNATURES_PER_FUNCTION, size,
+                     list(self._reasons))
+
+  def clear(self):
+    """Drops every entry and resets the counters."""
+    with self._lock:
+      self._weak = weakref.WeakKeyDictionary()
+      self._strong = {}
+      self.hits = self.misses = 0
+      self._reasons.clear()
+
+
+CACHE = LoweringCache()
+
+
+def cache_info() -> CacheInfo:
+  """Returns `CacheInfo(hits, misses, maxsize, currsize, retrace_reasons)` for `call_jax`.
+
+  `maxsize` is the number of signatures kept per function (least recently used evicted); entries
+  live only as long as their function does. `retrace_reasons` lists, newest last, one line per re-trace of an already-traced function, such as
+  `"double: args[0] shape (4, 4) -> (8, 4)"`.
+
+  Example:
+    >>> import torch_xla_jaxbridge as jb
+    >>> jb.clear_cache(); jb.cache_info().currsize
+    0
+  """
+  return CACHE.info()
+
+
+def clear_cache() -> None:
+  """Forgets every lowered computation and resets the counters of `cache_info()`.
+
+  Example:
+    >>> import torch_xla_jaxbridge as jb
+    >>> jb.clear_cache()
+  """
+  CACHE.clear()

@@ -1,0 +1,155 @@
+"""What a module's forward depends on besides its inputs: its state, its structure, its modes.
+
+Bridged modules, layer stacks and `jaxify` all read a module through these: `StateWalk` (the
+current parameters and buffers by name, without walking the tree each call), `structure_key`
+(when two modules may share a trace) and `attribute_differences` (when two layers may share a scan).
+"""
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._core import plain
+
+# set by torch.nn.Module itself; the forward reads none of them (hooks aside, see attributes)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training"}
+
+
+def _attributes(module):
+  """`(name, value)` of a module's own attributes, sorted, without torch's bookkeeping."""
+  return sorted((k, v) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
+
+
+def module_forward(module, params, buffers, training, args, kwargs):
+  """Runs `module(*args, **kwargs)` with the given parameters, buffers and per-submodule training
+  modes (in `module.modules()` order), restoring the modes after.
+
+  Example:
+    >>> lin = torch.nn.Linear(2, 3)
+    >>> params, buffers, training = module_state(lin)
+    >>> module_forward(lin, params, buffers, training, (torch.ones(2),), {}).shape
+    torch.Size([3])
+  """
+  subs = list(module.modules())
+  before = [sub.training for sub in subs]
+  try:
+    for sub, mode in zip(subs, training):
+      sub.training = mode
+    return torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=False)
+  finally:
+    for sub, mode in zip(subs, before):
+      sub.training = mode
+
+
+def structure_key(module):
+  """A hashable description of everything but the tensor values a module's forward depends on,
+  or None when some attribute is not a plain value (then the module is traced on its own).
+  Modules with equal keys share one trace.
+
+  Example:
+    >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
+    True
+  """
+  parts = []
+  for name, sub in module.named_modules():
+    attrs = []
+    for name_, value in _attributes(sub):
+      try:
+        attrs.append((name_, plain.key(value)))
+      except plain.NotPlain:
+        return None
+    tensors = [(k, tuple(t.shape), t.dtype) for k, t in
+               list(torch_private.parameters_table(sub).items()) + list(torch_private.buffers_table(sub).items()) if t is not None]
+    parts.append((name, type(sub), tuple(attrs), tuple(tensors)))
+  return tuple(parts)
+
+
+class StateWalk:
+  """Where a module's parameters and buffers live, so each call reads the current tensors without
+  walking the module tree (a large share of a bridged call's host time, docs/performance.md). The
+  walk is redone when any submodule's parameter, buffer or submodule entries change.
+
+  Example:
+    >>> layer = torch.nn.Linear(2, 3)  # held weakly by the walk: keep a reference
+    >>> params, buffers, training = StateWalk(layer).state()
+    >>> sorted(params)
+    ['bias', 'weight']
+  """
+
+  def __init__(self, module):
+    self.module = weakref.ref(module)  # weak: a cache of walks keyed by module lets it go
+    self.walks = 0  # how many times the module was walked (a new walk: its layout changed)
+    self._walk()
+
+  def _walk(self):
+    self.walks += 1
+    # a submodule used at two paths is one place: its tensors go in once, under its first path
+    named = list(self.module().named_modules())
+    self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(torch_private.parameters_table(sub)),
+                     tuple(torch_private.buffers_table(sub)), tuple(torch_private.children_table(sub).items())) for prefix, sub in named]
+
+  def _unchanged(self):
+    for _, ref, param_keys, buffer_keys, submodules in self.entries:
+      sub = ref()
+      if (tuple(torch_private.parameters_table(sub)) != param_keys or tuple(torch_private.buffers_table(sub)) != buffer_keys or
+          tuple(torch_private.children_table(sub).items()) != submodules):
+        return False
+    return True
+
+  def state(self):
+    """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
+    tied between two submodules is passed under both names (its gradient sums over the uses in
+    torch's backward)."""
+    if not self._unchanged():
+      self._walk()
+    params, buffers, training = {}, {}, []
+    for prefix, sub, param_keys, buffer_keys, _ in self.entries:
+      sub = sub()
+      training.append(sub.training)
+      for key in param_keys:
+        value = torch_private.parameters_table(sub)[key]
+        if value is not None:
+          params[prefix + key] = value
+      for key in buffer_keys:
+        value = torch_private.buffers_table(sub)[key]
+        if value is not None:
+          buffers[prefix + key] = value
+    return params, buffers, tuple(training)
+
+
+def module_state(module):
+  """`(params, buffers, training)` of `module`, as `StateWalk(module).state()` reads them.
+
+  Example:
+    >>> params, buffers, training = module_state(torch.nn.BatchNorm1d(2))
+    >>> sorted(buffers), training
+    (['num_batches_tracked', 'running_mean', 'running_var'], (True,))
+  """
+  return StateWalk(module).state()
+
+
+def attribute_differences(first, other):
+  """Names of the attributes of module `other` (and of its submodules, by path) whose values
+  could change the computation from `first`'s, public names first: plain values compared by
+  `plain.key`, anything else by identity. `first` and `other` must have the same submodule paths.
+
+  Example:
+    >>> conv = lambda d: torch.nn.Conv1d(2, 2, 3, padding=d, dilation=d)
+    >>> attribute_differences(conv(1), conv(2))
+    ['dilation', 'padding', '_reversed_padding_repeated_twice']
+  """
+  differ = []
+  subs = dict(other.named_modules())
+  for path, sub in first.named_modules():
+    mine, theirs = dict(_attributes(sub)), dict(_attributes(subs[path]))
+    for name in sorted(set(mine) | set(theirs), key=lambda n: (n.startswith("_"), n)):
+      if name not in mine or name not in theirs or not _same(mine[name], theirs[name]):
+        differ.append(f"{path}.{name}" if path else name)
+  return differ
+
+
+def _same(a, b):
+  try:
+    return plain.key(a) == plain.key(b)
+  except plain.NotPlain:
+    return a is b

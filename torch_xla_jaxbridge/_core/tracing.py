@@ -1,0 +1,273 @@
+"""torch code run on JAX values while JAX traces: the torchax environment and its two registries.
+
+`run_torch` runs a torch function with every tensor a torchax tensor wrapping a traced array,
+randomness drawn from a key passed in, and in-place updates of arguments reported so the caller
+can write them back. Features plug in without this module knowing them:
+
+- `register_op_override(op, impl)`: bridged code runs `impl` for a torch op, always (performance
+  overrides, `jax_op`; the user's scoped `override_ops` is a trace context and a trace key).
+- `register_trace_context(factory)`: a context entered around every traced torch call (control
+  flow, torch's checkpoint as `jax.checkpoint`, `xs.mark_sharding` on traced tensors).
+- `register_trace_key(name, read)`: state outside the arguments that decides what traced code
+  computes (the autocast state, the active `override_ops`), part of every bridged call's
+  trace-cache key.
+
+This module imports no feature module; features import it and register themselves.
+"""
+import contextlib
+import functools
+import sys
+import threading
+from typing import Callable
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._compat import torchax_private
+from torch_xla_jaxbridge._core import diagnostics, rng, runtime
+
+_OP_OVERRIDES = {}
+_TRACE_CONTEXTS = []
+_TRACE_KEYS = {}
+_SCOPE = threading.local()
+
+
+def register_op_override(op, impl: Callable) -> None:
+  """Makes bridged code run `impl` (on torchax tensors) for the torch op or function `op`.
+
+  Example (what `overrides` does at import; registering it again changes nothing):
+    >>> from torch_xla_jaxbridge._integrations import overrides
+    >>> register_op_override(torch.nn.functional.linear, overrides.linear)
+  """
+  _OP_OVERRIDES[op] = impl
+  if environment.cache_info().currsize:
+    environment().override_op_definition(op, impl)
+
+
+def register_trace_context(factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+  """Enters `factory()` around every traced torch call, in registration order.
+
+  Example:
+    >>> register_trace_context(contextlib.nullcontext)
+    >>> _TRACE_CONTEXTS.remove(contextlib.nullcontext)  # the doctest's own cleanup
+  """
+  _TRACE_CONTEXTS.append(factory)
+
+
+def register_trace_key(name: str, read: Callable[[], object]) -> None:
+  """Makes `read()` (hashable, read at each bridged call) part of the trace-cache key; a change
+  re-traces once, and the re-trace reason names `name`.
+
+  Example:
+    >>> register_trace_key("demo", lambda: 1)
+    >>> trace_keys()[-1]
+    ('demo', 1)
+    >>> del _TRACE_KEYS["demo"]  # the doctest's own cleanup
+  """
+  _TRACE_KEYS[name] = read
+
+
+def trace_keys() -> tuple:
+  """`((name, value), ...)` for every registered trace key, read now.
+
+  Example:
+    >>> isinstance(trace_keys(), tuple)
+    True
+  """
+  return tuple([(name, read()) for name, read in _TRACE_KEYS.items()])
+
+
+def describe_key_change(old: tuple, new: tuple) -> str:
+  """The re-trace reason for two `trace_keys()` results: `"name old -> new"` per change.
+
+  Example:
+    >>> describe_key_change((("autocast", "off"),), (("autocast", "xla bfloat16"),))
+    'autocast off -> xla bfloat16'
+  """
+  before = dict(old)
+  return "; ".join(f"{name} {before.get(name)} -> {value}" for name, value in new
+                   if before.get(name) != value)
+
+
+def _plain_tensor_used(tensor):
+  raise diagnostics.PlainTensorUsed(tuple(tensor.shape))
+
+
+@functools.cache
+def environment():
+  """The torchax environment bridged code runs in (created on first use).
+
+  New tensors (`torch.zeros(3)`, `torch.arange(n, device=x.device)`) are JAX values whatever
+  device they name, and math between a torchax tensor and an outside torch tensor is an error
+  rather than a silent constant.
+
+  Example:
+    >>> env = environment()
+  """
+  jax = runtime.jax_module()
+  import torchax.config
+
+  with jax.ensure_compile_time_eval():  # its default key must be a constant even mid-trace
+    env = torchax_private.environment_class(_plain_tensor_used)(
+        torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
+  for op, impl in _OP_OVERRIDES.items():
+    env.override_op_definition(op, impl)
+  return env
+
+
+def torchax_tensor_type():
+  """torchax's tensor class, or None while torchax is not imported (then no tensor is one).
+
+  Example:
+    >>> torchax_tensor_type() is None or torchax_tensor_type().__name__ == "Tensor"
+    True
+  """
+  return getattr(sys.modules.get("torchax.tensor"), "Tensor", None)
+
+
+def is_traced(value) -> bool:
+  """Whether `value` is a tensor of torch code being traced (a torchax tensor).
+
+  Example:
+    >>> is_traced(torch.ones(2))
+    False
+  """
+  tensor = torchax_tensor_type()
+  return tensor is not None and isinstance(value, tensor)
+
+
+def to_jax(tree):
+  """`tree` with each torchax tensor replaced by its JAX array; other leaves unchanged.
+
+  Example:
+    >>> to_jax({"n": 1})
+    {'n': 1}
+  """
+  jax = runtime.jax_module()
+  return jax.tree.map(lambda t: t.jax() if is_traced(t) else t, tree,
+                      is_leaf=lambda t: isinstance(t, torch.Tensor))
+
+
+def to_torchax(tree):
+  """`tree` with each JAX array wrapped as a torchax tensor of the bridge environment.
+
+  Example:
+    >>> to_torchax((runtime.jax_module().numpy.ones(2),))[0].shape
+    torch.Size([2])
+  """
+  jax = runtime.jax_module()
+  env = environment()
+  import torchax.tensor
+
+  return jax.tree.map(
+      lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
+
+
+def traced_arrays(tree):
+  """`(tensors, rebuild)` for a pytree of torch values inside a trace: `tensors` are its traced
+  tensors, and `rebuild(arrays)` gives the pytree with new torchax tensors of `arrays` in their
+  places, and those new tensors. Runs torch code as a function of arrays (`jax.checkpoint`).
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> tensors, rebuild = traced_arrays((to_torchax(jax.numpy.ones(2)), 3))
+    >>> (x, n), new = rebuild([jax.numpy.zeros(2)])
+    >>> x.jax().tolist(), n, new[0] is x
+    ([0.0, 0.0], 3, True)
+  """
+  jax = runtime.jax_module()
+  leaves, treedef = jax.tree.flatten(tree)
+  positions = [i for i, leaf in enumerate(leaves) if is_traced(leaf)]
+
+  def rebuild(arrays):
+    full, new = list(leaves), to_torchax(list(arrays))
+    for position, tensor in zip(positions, new):
+      full[position] = tensor
+    return treedef.unflatten(full), new
+
+  return [leaves[i] for i in positions], rebuild
+
+
+def scoped_cache(name: str) -> dict:
+  """A dict that lives as long as the innermost `run_torch` call (a fresh one outside any).
+
+  Example:
+    >>> scoped_cache("folds")
+    {}
+  """
+  caches = getattr(_SCOPE, "caches", None)
+  return {} if caches is None else caches.setdefault(name, {})
+
+
+@contextlib.contextmanager
+def _new_scope():
+  saved = getattr(_SCOPE, "caches", None)
+  _SCOPE.caches = {}
+  try:
+    yield
+  finally:
+    _SCOPE.caches = saved
+
+
+def run_torch(fn, key_data, args, kwargs, *, fn_name):
+  """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
+
+  Returns `(outputs, mutated, drew_random)`: outputs with JAX arrays for tensors; a dict from the
+  position of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code
+  updated in place to its new value; whether the code drew random numbers. `key_data` (int32[2])
+  seeds every random op.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> out, mutated, drew = run_torch(torch.sin, None, (jax.numpy.zeros(2),), {}, fn_name="sin")
+    >>> out.tolist(), mutated, drew
+    ([0.0, 0.0], {}, False)
+  """
+  jax = runtime.jax_module()
+  import torchax.tensor
+
+  env = environment()
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  tensors = {}  # one torchax tensor per array: an in-place update through one place shows in all
+  wrapped = [tensors.setdefault(id(x), torchax.tensor.Tensor(x, env))
+             if isinstance(x, jax.Array) else x for x in leaves]
+  t_args, t_kwargs = treedef.unflatten(wrapped)
+  prng = rng.key_from_data(jax, key_data) if key_data is not None else None
+  try:
+    with contextlib.ExitStack() as stack:
+      if prng is not None:
+        stack.enter_context(env.override_property(prng=prng))
+      stack.enter_context(env)
+      stack.enter_context(_new_scope())
+      # softmax's gradient from its output alone, as torch's: the rule saves no exp and no sums
+      stack.enter_context(jax.softmax_custom_jvp(True))
+      for factory in _TRACE_CONTEXTS:
+        stack.enter_context(factory())
+      outputs = fn(*t_args, **(t_kwargs or {}))
+      drew_random = prng is not None and torchax_private.current_key(env) is not prng  # key was split
+  except errors.BridgeError:
+    raise
+  except Exception as e:
+    raise diagnostics.translate(e, fn_name) from e
+  mutated = {i: w.jax() for i, (w, x) in enumerate(zip(wrapped, leaves))
+             if isinstance(w, torchax.tensor.Tensor) and w.jax() is not x}
+  return _unwrap(jax, outputs, fn_name), mutated, drew_random
+
+
+def _unwrap(jax, outputs, fn_name):
+  import torchax.tensor
+
+  def unwrap(x):
+    if isinstance(x, torchax.tensor.Tensor):
+      return x.jax()
+    if isinstance(x, torchax.tensor.View):
+      return x.torch().jax()
+    if isinstance(x, torch.Tensor):
+      raise errors.CapturedTensorError(
+          f"{fn_name} returned a torch tensor that is not computed from its arguments (shape "
+          f"{tuple(x.shape)}, device {x.device}), reached where the bridge does not lift "
+          f"tensors from (a list, another object's attribute, a helper's closure). Pass it in as "
+          f"an argument, or read it from a variable of the enclosing scope, a global or `self`.")
+    return x
+
+  return jax.tree.map(unwrap, outputs, is_leaf=lambda x: isinstance(x, torch.Tensor))

@@ -1,0 +1,263 @@
+"""Ops whose torchax conversion is replaced inside bridged code.
+
+The package's own, always on: `F.linear` (for the form of its weight gradient) and batch norm (for
+its running statistics), registered with `tracing` on import. The user's, scoped: `override_ops`
+gives torch ops or functions a JAX implementation while bridged code in a `with` block is traced;
+the active overrides are a trace key, so a trace is never reused under other overrides.
+"""
+import contextlib
+import dataclasses
+import functools
+import threading
+import weakref
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._compat import torchax_private
+from torch_xla_jaxbridge._core import runtime, tracing
+
+_SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Active:
+  """The overrides in force: `(op, jax_fn)` pairs; part of every bridged call's trace key.
+
+  Example:
+    >>> str(Active(((torch.nn.functional.gelu, abs),)))
+    '{gelu: abs}'
+  """
+  pairs: tuple = ()
+
+  def __str__(self):
+    if not self.pairs:
+      return "none"
+    return "{" + ", ".join(f"{_name(op)}: {_name(fn)}" for op, fn in self.pairs) + "}"
+
+  def lookup(self, func):
+    """The JAX function for `func` (an aten overload also matches by its packet), or None."""
+    if not self.pairs:
+      return None
+    packet = getattr(func, "overloadpacket", None)
+    for op, fn in self.pairs:
+      if op is func or (packet is not None and op is packet):
+        return fn
+    return None
+
+
+def _name(value):
+  return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
+
+
+def active() -> Active:
+  """The overrides in force on this thread.
+
+  Example:
+    >>> str(active())
+    'none'
+  """
+  return getattr(_SCOPES, "active", Active())
+
+
+_ATEN_OP_TYPES = (type(torch.ops.aten.mm), type(torch.ops.aten.mm.default))
+
+
+@functools.cache
+def _torch_functions():
+  return frozenset(f for fs in torch.overrides.get_overridable_functions().values() for f in fs)
+
+
+def _check(overrides):
+  if not isinstance(overrides, Mapping):
+    raise errors.BadArgumentError(
+        f"override_ops: expected a dict from torch op or function to JAX function, got "
+        f"{type(overrides).__name__}; e.g. {{F.scaled_dot_product_attention: my_attention}}.")
+  for op, fn in overrides.items():
+    if not (isinstance(op, _ATEN_OP_TYPES) or op in _torch_functions()):
+      raise errors.BadArgumentError(
+          f"override_ops: {_name(op)} is neither a torch function that dispatches on tensors "
+          f"(such as F.scaled_dot_product_attention or torch.matmul) nor an aten op "
+          f"(torch.ops.aten.mm.default), so bridged code would never reach the override. Key "
+          f"the override by the torch function the code calls.")
+    if not callable(fn):
+      raise errors.BadArgumentError(
+          f"override_ops: the override of {_name(op)} is a {type(fn).__name__}; expected a "
+          f"function of JAX arrays returning JAX arrays.")
+    try:
+      hash(fn)
+    except TypeError:
+      raise errors.BadArgumentError(
+          f"override_ops: the override of {_name(op)} is not hashable; it keys the trace cache. "
+          f"Pass a function (or functools.partial of hashable values).") from None
+
+
+@contextlib.contextmanager
+def override_ops(overrides: Mapping[Callable, Callable]) -> Iterator[None]:
+  """Inside the block, bridged code that is traced runs `overrides[op]` for each torch `op`.
+
+  Keys are torch functions the code calls (`F.scaled_dot_product_attention`, `torch.matmul`,
+  `torch.Tensor.softmax`) or aten ops (`torch.ops.aten.mm.default`). Each value is a JAX function
+  with the op's signature: tensor arguments arrive as JAX arrays, the rest as given; it returns
+  JAX arrays (or a pytree of them). Its gradient is JAX's: `jax.vjp` of it, or its own
+  `custom_vjp`. Scopes nest (the inner one wins per op) and are per thread. Only bridged calls
+  (`bridge`, `BridgeModule`, `scan_layers`, `StackedLayers`, `jaxify`'d functions) made inside
+  the block see the overrides; LazyTensor code runs torch's op as always. The active overrides
+  are part of each bridged call's trace key: a call traced under other overrides (or none) is
+  traced again, once. Build the dict once: each new function object is a new key.
+
+  Example:
+    >>> import jax, torch, torch_xla_jaxbridge as jb
+    >>> double_gelu = lambda x, approximate="none": 2 * jax.nn.gelu(x, approximate=False)
+    >>> f = jb.bridge(torch.nn.functional.gelu)
+    >>> x = torch.ones(2, device="xla")
+    >>> with jb.override_ops({torch.nn.functional.gelu: double_gelu}):
+    ...   inside = f(x)
+    >>> (inside / f(x)).cpu().tolist()
+    [2.0, 2.0]
+  """
+  _check(overrides)
+  outer = active()
+  merged = dict(outer.pairs)
+  merged.update(overrides)
+  _SCOPES.active = Active(tuple(merged.items()))
+  try:
+    yield
+  finally:
+    _SCOPES.active = outer
+
+
+def _dispatch(dispatch, func, types, args, kwargs):
+  """torchax's conversion of one op, unless an active override names it."""
+  fn = active().lookup(func)
+  if fn is None or not any(tracing.is_traced(leaf) for leaf in _leaves((args, kwargs))):
+    return dispatch(func, types, args, kwargs)
+  jax = runtime.jax_module()
+  outputs = fn(*_arrays(tuple(args)), **_arrays(dict(kwargs or {})))
+  for leaf in jax.tree.leaves(outputs):
+    if not isinstance(leaf, jax.Array):
+      raise errors.BadArgumentError(
+          f"override_ops: the override of {_name(func)} ({_name(fn)}) returned a "
+          f"{type(leaf).__name__}; an override returns JAX arrays (or a pytree of them).")
+  return tracing.to_torchax(outputs)
+
+
+def _leaves(tree):
+  return runtime.jax_module().tree.leaves(tree, is_leaf=lambda t: isinstance(t, torch.Tensor))
+
+
+def _arrays(tree):
+  """`tree` with torchax tensors (and views of them) as their JAX arrays."""
+  import torchax.tensor
+
+  return tracing.to_jax(runtime.jax_module().tree.map(
+      lambda t: t.torch() if isinstance(t, torchax.tensor.View) else t, tree,
+      is_leaf=lambda t: isinstance(t, torch.Tensor)))
+
+
+class _Routing:
+  """Entered around each traced torch call: active overrides see every op torchax converts."""
+
+  def __enter__(self):
+    torchax_private.wrap_dispatch(tracing.environment(), _dispatch)
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def linear(input, weight, bias=None):
+  """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
+  together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
+  dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it
+  (docs/performance.md has the measurement). The forward is torchax's einsum.
+
+  Example:
+    >>> import torch.nn.functional as F
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(F.linear)(torch.ones(2, 3, device="xla"), torch.ones(4, 3, device="xla")).shape
+    torch.Size([2, 4])
+  """
+  tensor = tracing.torchax_tensor_type()
+  if not all(isinstance(t, tensor) for t in (input, weight, bias) if t is not None):
+    out = torch.matmul(input, weight.t())  # torchax says what is wrong with the others
+    return out if bias is None else out + bias
+  out = _folded_linear()(input.jax(), weight.jax())
+  if bias is not None:
+    out = out + bias.jax()
+  return tensor(out, tracing.environment())
+
+
+@functools.cache
+def _folded_linear():
+  jax = runtime.jax_module()
+  einsum = lambda x, w: jax.numpy.einsum("...a,ba->...b", x, w)  # noqa: E731
+
+  @jax.custom_jvp
+  def linear(x, w):
+    return einsum(x, w)
+
+  @linear.defjvp
+  def linear_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    by_weight = jax.numpy.dot(_fold(x), dw.T).reshape(*x.shape[:-1], w.shape[0])
+    return einsum(x, w), einsum(dx, w) + by_weight
+
+  return linear
+
+
+def _fold(x):
+  """`x` with its leading dimensions folded: the same array for the same `x` within one
+  `run_torch` call, so linears sharing an input (q, k, v) keep one copy of it for the backward.
+  Held weakly: a traced value lives as long as the jaxpr trace that made it (which reports any
+  other holder as a leak); where nothing keeps the fold alive, the next linear folds again."""
+  folds = tracing.scoped_cache("linear_folds")
+  cached = folds.get(id(x))
+  if cached is not None and cached[0]() is x:
+    folded = cached[1]()
+    if folded is not None:
+      return folded
+  folded = x.reshape(-1, x.shape[-1])
+  try:
+    folds[id(x)] = (weakref.ref(x), weakref.ref(folded))
+  except TypeError:  # a concrete array: nothing to share
+    pass
+  return folded
+
+
+def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+  """Batch norm that updates the running statistics in place, as torch does (torchax's drops
+  the update), with the unbiased batch variance for `running_var`.
+
+  Example:
+    >>> from torch_xla_jaxbridge import BridgeModule
+    >>> bn = BridgeModule(torch.nn.BatchNorm1d(2).to("xla"))
+    >>> _ = bn(torch.tensor([[0.0, 1.0], [2.0, 3.0]], device="xla"))
+    >>> bn.running_mean.cpu().tolist()
+    [0.10000000149011612, 0.20000000298023224]
+  """
+  jax = runtime.jax_module()
+  import torchax.tensor
+
+  array = lambda t: None if t is None else t.jax()  # noqa: E731
+  x = array(input)
+  out, mean, rstd = torchax_private.batch_norm_forward(
+      x, array(weight), array(bias), array(running_mean), array(running_var), training, momentum,
+      eps)
+  if training and running_mean is not None:
+    axes = [0] + list(range(2, x.ndim))
+    count = x.size // x.shape[1]
+    unbiased = jax.numpy.var(x, axis=axes) * count / max(count - 1, 1)
+    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
+      torchax_private.set_array(stat, ((1 - momentum) * stat.jax() + momentum * batch).astype(
+          stat.jax().dtype))
+  env = tracing.environment()
+  return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
+
+
+for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
+  tracing.register_op_override(_op, batch_norm)
+tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_trace_context(_Routing)
+tracing.register_trace_key("op overrides", active)

@@ -1,0 +1,37 @@
+"""`torch.utils.checkpoint.checkpoint` inside bridged code: `jax.checkpoint` of the function.
+
+Within traced code `torch.utils.checkpoint.checkpoint(fn, *args)` recomputes `fn` in the backward
+through `jax.checkpoint`: every reference to torch's `checkpoint`, however it was imported, goes
+through the wrapper torch puts around it, which calls the function held in a hook attribute
+(`torch_private.torch_checkpoint_target`). Other threads, and calls outside a trace, get torch's
+own checkpoint.
+"""
+from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._core import patching, runtime, tracing
+
+
+def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
+                     determinism_check=None, debug=None, preserve_rng_state=True,
+                     early_stop=True, **kwargs):
+  """torch's checkpoint signature; in a thread that traces bridged code it recomputes `function`
+  in the backward via `jax.checkpoint`, elsewhere it is torch's own checkpoint."""
+  if not _TORCH_CHECKPOINT.active():
+    original = _TORCH_CHECKPOINT.original(torch_private.CHECKPOINT_HOOK)
+    original = original or torch_private.dynamo_disabled(torch_private.torch_checkpoint_target())
+    return original(function, *args, use_reentrant=use_reentrant, context_fn=context_fn,
+                    determinism_check=determinism_check, debug=debug,
+                    preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs)
+  jax = runtime.jax_module()
+  tensors, rebuild = tracing.traced_arrays((args, kwargs))
+
+  def recomputed(*arrays):
+    (call_args, call_kwargs), _ = rebuild(arrays)
+    return tracing.to_jax(function(*call_args, **call_kwargs))
+
+  out = jax.checkpoint(recomputed)(*[t.jax() for t in tensors])
+  return tracing.to_torchax(out)
+
+
+_TORCH_CHECKPOINT = patching.Patch(lambda: [torch_private.torch_checkpoint_target()],
+                                   {torch_private.CHECKPOINT_HOOK: _checkpoint_hook})
+tracing.register_trace_context(lambda: _TORCH_CHECKPOINT)

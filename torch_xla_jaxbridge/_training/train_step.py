@@ -1,0 +1,123 @@
+"""`train_step`: a training step (loss, gradients, optimizer update) as one graph node.
+
+The loss function is torch code, traced once through torchax like any bridged function; its
+gradients are `jax.value_and_grad`'s and the optimizer's update rule (`jb.optim`) runs in the same
+JAX function, so a step adds one `call_jax` node to the LazyTensor graph instead of a forward, a
+backward and an optimizer node (and the autograd engine's work between them): the least host
+time per step.
+"""
+from typing import Any, Callable
+
+import torch
+
+from torch_xla_jaxbridge import errors, optim
+from torch_xla_jaxbridge._bridge import bridging, spec, vjp
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._core import call, runtime, sharding
+
+
+class TrainStep:
+  """A training step made by `train_step`: call it with the loss function's arguments."""
+
+  def __init__(self, loss_fn: Callable, optimizer: optim.RuleOptimizer,
+               remat: remat_policies.RematArg):
+    if not isinstance(optimizer, optim.RuleOptimizer):
+      raise errors.BadArgumentError(
+          f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs the "
+          f"update rule of a jb.optim optimizer ({', '.join(optim.optimizers())}). Use one of "
+          f"those, or call loss.backward() and optimizer.step() for other optimizers.")
+    self.bridged = bridging.Bridged(loss_fn, remat=remat)
+    self.optimizer = optimizer
+    self.name = self.bridged.name
+
+  def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # through optimizer.step(), so its hooks run and LR schedulers see an optimizer step
+    return self.optimizer.step_running(lambda: self._run(args, kwargs))
+
+  def _run(self, args, kwargs):
+    spec.register_static_pytree()
+    bridged, optimizer = self.bridged, self.optimizer
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
+                            lambda t: id(t) in trained and t.requires_grad)
+    if prepared.boxed:
+      raise errors.BadArgumentError(
+          f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "
+          f"instead, or call the model and loss.backward() with optimizer.step().")
+    diff = prepared.diff
+    if not diff:
+      raise errors.BadArgumentError(
+          f"train_step: none of the tensors {self.name} reads (arguments, or modules and tensors "
+          f"it closes over) is a parameter of the optimizer; close over the model the optimizer "
+          f"trains (e.g. lambda x, y: loss(model(x), y)) or pass it as an argument.")
+    optimizer.check_params(diff, grads=False)
+    order = {id(p): i for i, p in enumerate(diff)}
+    params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in order]
+    states, scalars, statics = optimizer.prepare(params)
+    statics = dict(statics, positions=tuple(order[id(p)] for p in params))
+    loss, update, (others, mutated, layout) = bridged.keyed(
+        lambda key: call.call_jax(
+            self._step, (prepared.spec, diff, prepared.other, key, states,
+                         scalars.to(params[0].device)),
+            statics, name=f"{self.name}_train_step"),
+        params[0].device)
+    bridging.write_back(self.name, (prepared.args, prepared.kwargs), layout.mutated, mutated, diff)
+    shardings = sharding.shardings_of(params)
+    if shardings is not None:  # parameters and states stay sharded as the parameters are
+      new_params, new_states, _ = update
+      sharding.shard_like(new_params, shardings)
+      for param, state, shard in zip(new_params, new_states, shardings):
+        like = [t for t in state.values() if t.shape == param.shape]  # not factored statistics
+        sharding.shard_like(like, [shard] * len(like))
+    optimizer.take(params, update)
+    return loss
+
+  def _step(self, spec_, diff, other, key_data, states, scalars, *, positions, **statics):
+    jax = runtime.jax_module()
+
+    def loss_of(*d):
+      floats, aux = self.bridged.run(spec_, d, other, key_data)
+      layout = aux[2]
+      if len(layout.float_mask) != 1 or not layout.float_mask[0] or floats[0].shape != ():
+        raise errors.BadArgumentError(
+            f"train_step: {self.name} must return the loss, one floating-point scalar tensor; "
+            f"it returned {layout.out_tree.num_leaves} value(s): "
+            f"{[tuple(f.shape) for f in floats]} floating-point shapes. Reduce the loss "
+            f"(e.g. .mean()) and return only it.")
+      return floats[0], aux
+
+    if self.bridged.policy is not None:
+      loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
+    with vjp.differentiated():
+      (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
+                                              has_aux=True)(*diff)
+    params = [diff[i] for i in positions]
+    grads = [grads[i] for i in positions]
+    return loss, optim.apply_rule(params, grads, states, scalars, **statics), aux
+
+
+def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
+               remat: remat_policies.RematArg = None) -> TrainStep:
+  """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
+  optimizer's parameters, and the optimizer's update.
+
+  `loss_fn` is torch code returning a scalar loss; the parameters it reads (of modules it closes
+  over or takes as arguments) that `optimizer` (any `jb.optim` optimizer) holds are trained, with
+  the optimizer's param groups, clipping and learning rate (schedulers keep working: the rates
+  travel as a device input). Each call returns the loss as an XLA tensor and updates the
+  parameters and optimizer state in place; `optimizer.grad_norm` holds the norm before clipping.
+  Gradients are not written to `p.grad`. Randomness (dropout) is fresh each step. `remat=` is as
+  for `jb.bridge`; modules inside may be `BridgeModule`s or `StackedLayers` with their own
+  policies.
+
+  Example:
+    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> model = torch.nn.Linear(4, 1).to("xla")
+    >>> opt = jb.optim.AdamW(model.parameters(), lr=0.1)
+    >>> step = jb.train_step(lambda x, y: ((model(x) - y) ** 2).mean(), opt)
+    >>> x, y = torch.ones(8, 4, device="xla"), torch.zeros(8, 1, device="xla")
+    >>> losses = [step(x, y) for _ in range(20)]
+    >>> losses[-1].item() < losses[0].item()
+    True
+  """
+  return TrainStep(loss_fn, optimizer, remat)

@@ -1,0 +1,137 @@
+"""`RuleOptimizer`: a `torch.optim.Optimizer` whose whole step is one graph node running a `Rule`.
+
+The parameters, gradients and states of every group go through one `call_jax`: the gradients'
+global norm (and clipping, with `max_grad_norm`), then the rule per parameter. Values that change
+between steps (learning rate and the rest of the hyperparameters, step counts) travel as one
+float32 device input, so torch's LR schedulers never re-trace. Each parameter and state tensor
+then takes its new value in place (written over its old buffer), as torch's optimizers update
+theirs, so `state_dict()` is torch's layout and holders of it see later steps.
+"""
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._core import call
+from torch_xla_jaxbridge.optim._state import TorchLayout
+from torch_xla_jaxbridge.optim._step import apply_rule
+
+
+class RuleOptimizer(TorchLayout):
+  """A torch optimizer over `rule` (a class attribute); see `AdamW` for one built on it.
+
+  Args:
+    params: parameters or parameter groups, as for any torch optimizer.
+    defaults: the group defaults (the subclass's constructor arguments).
+    max_grad_norm: clip the gradients by their global 2-norm first, as
+      `torch.nn.utils.clip_grad_norm_` over all groups would (None: no clipping). `p.grad` is
+      left unscaled; `grad_norm` holds the norm before clipping after every step.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> model = torch.nn.Linear(4, 2).to("xla")
+    >>> opt = jb.optim.Lion(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    >>> model(torch.ones(3, 4, device="xla")).sum().backward()
+    >>> opt.step()
+  """
+
+  def __init__(self, params: Iterable, defaults: dict, *,
+               max_grad_norm: Optional[float] = None):
+    if max_grad_norm is not None and not max_grad_norm > 0:
+      raise errors.BadArgumentError(
+          f"{type(self).__name__}: max_grad_norm={max_grad_norm}; give a positive norm, or None "
+          f"for no clipping.")
+    super().__init__(params, defaults)
+    self.max_grad_norm = max_grad_norm
+    self.grad_norm: Optional[torch.Tensor] = None
+    self._update: Optional[Callable[[], Any]] = None  # `step_running`'s, for one step()
+
+  @torch.no_grad()
+  def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    """Updates every parameter that has a gradient; returns the closure's loss, if given."""
+    if self._update is not None:  # `step_running`'s update (jb.train_step's own node)
+      run, self._update = self._update, None
+      return run()
+    loss = None
+    if closure is not None:
+      with torch.enable_grad():
+        loss = closure()
+    params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+    self.check_params(params)
+    self.grad_norm = None
+    if params:
+      states, scalars, statics = self.prepare(params)
+      results = call.call_jax(
+          apply_rule, (params, [p.grad for p in params], states, scalars.to(params[0].device)),
+          statics, name=f"{self.rule.name}_step")
+      self.take(params, results)
+    return loss
+
+  def step_running(self, update: Callable[[], Any]) -> Any:
+    """One `step()` whose update is `update()` (its result returned): the step's hooks run and
+    LR schedulers count it. `jb.train_step` makes its one-node update this way.
+
+    Example:
+      >>> import torch, torch_xla_jaxbridge as jb
+      >>> opt = jb.optim.SGD(torch.nn.Linear(2, 2).to("xla").parameters(), lr=0.1)
+      >>> opt.step_running(lambda: "updated")
+      'updated'
+    """
+    self._update = update
+    try:
+      return self.step()
+    finally:
+      self._update = None
+
+  def check_params(self, params: list, grads: bool = True) -> None:
+    """Refuses parameters the one-node update cannot hold: not on XLA, a sparse gradient
+    (`grads`: read from `p.grad`), complex ones for a rule that is `real_only`."""
+    name = type(self).__name__
+    for p in params:
+      sparse = grads and p.grad.is_sparse
+      complex_ = self.rule.real_only and p.is_complex()
+      if not p.is_xla or sparse or complex_:
+        what = (" with a sparse gradient" if sparse else f" of dtype {p.dtype}" if complex_
+                else "")
+        raise errors.BadArgumentError(
+            f"{name}: a parameter of shape {tuple(p.shape)} is on {p.device}{what}; "
+            f"jb.optim.{name} updates {'real ' if self.rule.real_only else ''}XLA tensors with "
+            f"dense gradients. Use {self._torch_counterpart()} for the others.")
+
+  def _torch_counterpart(self) -> str:
+    name = type(self).__name__
+    return f"torch.optim.{name}" if hasattr(torch.optim, name) else "a torch optimizer"
+
+  def prepare(self, params: list) -> tuple:
+    """For one step of `params` (in `param_groups` order, each with a gradient): their state
+    dicts of XLA tensors (made on a parameter's first step; step counts advanced), the step's
+    scalars (a CPU float32 tensor: each parameter's hyperparameters, then max_grad_norm) and
+    `apply_rule`'s static arguments. `jb.train_step` calls it too."""
+    rule, selected = self.rule, {id(p) for p in params}
+    states: list[dict] = []
+    scalars: list[float] = []
+    options: list[dict] = []
+    names: tuple = ()
+    for group in self.param_groups:
+      group_options = rule.options(group)
+      for p in group["params"]:
+        if id(p) not in selected:
+          continue
+        state = self.state.get(p) or {}
+        first = not state
+        if first:  # as torch: a parameter has a state entry only when its rule keeps one
+          state = self.init_state(p, group_options)
+        step = 1.0
+        if rule.counts_steps:
+          step = float(state["step"]) + 1
+          state["step"] = torch.tensor(step, dtype=torch.float32)
+        hyper = rule.hyperparameters(group, step)
+        names = names or tuple(hyper)
+        scalars.extend(hyper[n] for n in names)
+        options.append({**group_options, "first": first} if rule.first_step_differs else
+                       group_options)
+        states.append({k: v for k, v in state.items() if k != "step"})
+    scalars.append(float(self.max_grad_norm or 0.0))
+    statics = dict(rule=rule, names=names, options=tuple(options),
+                   clip=self.max_grad_norm is not None)
+    return states, torch.tensor(scalars, dtype=torch.float32), statics

@@ -1,0 +1,47 @@
+"""The step of a rule over every parameter, as one JAX function: global norm, clipping, updates."""
+from typing import Any
+
+from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge.optim._rule import Rule
+
+
+def _sum_of_squares(jnp, g):
+  if jnp.iscomplexobj(g):
+    return jnp.sum(jnp.abs(g) ** 2)
+  g = g.astype(jnp.float32)
+  return jnp.sum(g * g)
+
+
+def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
+               names: tuple, options: tuple, clip: bool) -> tuple:
+  """New parameters, new states and the gradients' global 2-norm (before clipping) after one
+  step of `rule`. `scalars` (float32): per parameter the values of `names` (its
+  hyperparameters), then the clipping norm; `options` per parameter; with `clip` the gradients
+  are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from torch_xla_jaxbridge.optim._rule import Rule
+    >>> plain = Rule("plain", lambda shape, dtype, options: {},
+    ...              lambda p, g, state, hyper, options: (p - hyper["lr"] * g, state),
+    ...              lambda group, step: {"lr": group["lr"]})
+    >>> new, _, norm = apply_rule([jnp.ones(2)], [jnp.full(2, 3.0)], [{}], jnp.array([0.5, 0.0]),
+    ...                           rule=plain, names=("lr",), options=({},), clip=False)
+    >>> new[0].tolist(), round(float(norm) ** 2, 4)
+    ([-0.5, -0.5], 18.0)
+  """
+  jnp = runtime.jax_module().numpy
+  norms = jnp.stack([jnp.sqrt(_sum_of_squares(jnp, g)) for g in grads])  # as clip_grad_norm_:
+  grad_norm = jnp.sqrt(jnp.sum(norms * norms))                           # the norm of the norms
+  if clip:
+    scale = jnp.minimum(scalars[-1] / (grad_norm + 1e-6), 1.0)
+    grads = [(g if jnp.iscomplexobj(g) else g.astype(jnp.float32)) * scale for g in grads]
+  rows = scalars[:-1].reshape(len(params), len(names))
+  new_params, new_states = [], []
+  for i, (p, g, state) in enumerate(zip(params, grads, states)):
+    hyper = {name: rows[i, k] for k, name in enumerate(names)}
+    new_p, new_state = rule.update(p, g, state, hyper, options[i])
+    new_params.append(new_p.astype(p.dtype))
+    new_states.append({k: v.astype(state[k].dtype) if k in state else v
+                       for k, v in new_state.items()})
+  return new_params, new_states, grad_norm

@@ -226,3 +226,56 @@ def test_pending_graph_parameters_follow_the_hlo_and_aliasing_compiles():
   stats = compiled_memory(proto, [(0, ids.index(torch_xla_private.tensor_state(w)[1]))], 2)
   assert stats.alias_size_in_bytes == 16 * 8 * 4
   torch_xla.sync()
+
+
+def test_module_tables_are_the_live_dicts():
+  lin = torch.nn.Linear(2, 3)
+  torch_private.parameters_table(lin)["extra"] = torch.nn.Parameter(torch.ones(1))
+  assert "extra" in dict(lin.named_parameters())
+  wrapper = torch.nn.Module()
+  torch_private.share_tables(wrapper, lin)
+  assert torch_private.buffers_table(wrapper) is torch_private.buffers_table(lin)
+  assert torch_private.children_table(wrapper) is torch_private.children_table(lin)
+
+
+def test_torch_pytrees_round_trip_a_structure_jax_does_not_know():
+  from collections import OrderedDict
+
+  leaves, spec = torch_private.tree_flatten(OrderedDict(a=1, b=[2, 3]))
+  assert leaves == [1, 2, 3] and torch_private.tree_leaves({"x": (4,)}) == [4]
+  assert torch_private.tree_unflatten([5, 6, 7], spec) == OrderedDict(a=5, b=[6, 7])
+
+
+def test_higher_order_operators_are_torchs():
+  operators = torch_private.higher_order_operators()
+  assert operators["cond"].name() == "cond" and operators["while_loop"].name() == "while_loop"
+
+
+def test_the_compile_backend_registers_once():
+  calls = []
+  torch_private.register_compile_backend(lambda gm, inputs: calls.append(1) or gm, "jaxbridge")
+  assert "jaxbridge" in torch.compiler.list_backends()  # the package's, not replaced
+
+
+def test_user_computation_from_a_proto_and_the_hlo_text():
+  proto = jax.jit(lambda x: (x * 3,)).lower(jax.ShapeDtypeStruct((2,), "float32"))
+  computation = torch_xla_private.computation_from_proto(
+      "xla::triple", proto.compiler_ir("hlo").as_serialized_hlo_module_proto())
+  out = torch_xla_private.user_computation("xla::triple", [torch.ones(2, device="xla")],
+                                           computation)[0]
+  assert "xla::triple" in torch_xla._XLAC._get_xla_tensors_text([out])
+  assert "multiply" in torch_xla_private.tensors_hlo_text([out])
+  torch_xla_private.sync_tensors([out])
+  assert not torch_xla_private.tensor_state(out)[2] and out.cpu().tolist() == [3.0, 3.0]
+
+
+def test_sharding_readers_without_spmd():
+  t = torch.ones(2, device="xla")
+  assert torch_xla_private.sharding_spec(t) == "" and torch_xla_private.op_sharding_of(t) is None
+
+
+def test_hlo_text_round_trips_through_the_proto():
+  lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((3,), "float32"))
+  proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+  again = jax_private.hlo_proto_from_text(jax_private.hlo_text(proto))
+  assert jax_private.cpu_compiled_memory(again).output_size_in_bytes == 12

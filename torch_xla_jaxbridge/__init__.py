@@ -24,8 +24,11 @@ from torch_xla_jaxbridge import flash_attention as flash_attention  # noqa: E402
 from torch_xla_jaxbridge import optim as optim  # noqa: E402
 from torch_xla_jaxbridge import remat as remat  # noqa: E402
 from torch_xla_jaxbridge import spmd as spmd  # noqa: E402
-from torch_xla_jaxbridge._bridge.bridging import assume_pure as assume_pure  # noqa: E402
-from torch_xla_jaxbridge._bridge.bridging import bridge as bridge  # noqa: E402
+from torch_xla_jaxbridge._bridge.api import assume_pure as assume_pure  # noqa: E402
+from torch_xla_jaxbridge._bridge.api import bridge as bridge  # noqa: E402
+from torch_xla_jaxbridge._bridge.auto import bridge_modules as bridge_modules  # noqa: E402
+from torch_xla_jaxbridge._bridge.fallback import BridgeReport as BridgeReport  # noqa: E402
+from torch_xla_jaxbridge._bridge.fallback import bridge_report as bridge_report  # noqa: E402
 from torch_xla_jaxbridge._bridge.module import BridgeModule as BridgeModule  # noqa: E402
 from torch_xla_jaxbridge._bridge.module import PureModule as PureModule  # noqa: E402
 from torch_xla_jaxbridge._bridge.inspection import lower_bridged as lower_bridged  # noqa: E402
@@ -51,6 +54,7 @@ __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "c
            "clear_cache", "CacheInfo", "Remat", "checkpoint_name", "saved_residuals",
            "lower_bridged", "memory_report", "MemoryReport", "scan_layers", "StackedLayers",
            "fori_loop", "jaxify", "jax_op", "override_ops", "train_step", "errors", "dlpack",
-           "optim", "spmd", "remat", "flash_attention"]
+           "optim", "spmd", "remat", "flash_attention", "bridge_modules", "bridge_report",
+           "BridgeReport"]
 
 _dynamo_backend.register()

@@ -37,3 +37,13 @@ class MutationError(BridgeError):
 
 class ControlFlowError(BridgeError):
   """Bridged control flow that cannot do what was asked (e.g. a gradient through a while loop)."""
+
+
+class UsageError(BadArgumentError):
+  """A call the package refuses whatever the mode: no fallback to plain LazyTensor code helps
+  (a training step whose loss is not a scalar, an optimizer `train_step` cannot run)."""
+
+
+class FallbackWarning(UserWarning):
+  """Said once per region that cannot be bridged and runs as plain LazyTensor code instead
+  (`jb.bridge_report()` lists them)."""

@@ -7,7 +7,6 @@ output cotangents (`vjp`). Inside bridged code a bridged function runs in the en
 (`inline`).
 """
 import functools
-from typing import Callable, Optional
 
 import torch
 
@@ -15,7 +14,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, inline, stateful, vjp
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge import spec as spec_
-from torch_xla_jaxbridge._bridge.spec import Layout, register_static_pytree
+from torch_xla_jaxbridge._bridge.spec import Layout, Static, register_static_pytree
 from torch_xla_jaxbridge._core import call, rng, runtime, tracing
 
 
@@ -35,6 +34,10 @@ class Bridged:
     self.name = call.function_name(fn, name)
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
     self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
+    self.traces = 0  # how many times the torch code was traced (outside enclosing traces)
+    # fallback(exc, args, kwargs): the call when the code cannot be bridged (api.Fallback);
+    # None: the error propagates (to a caller that decides, e.g. auto.ModuleBridge)
+    self.fallback = None
     functools.update_wrapper(self, fn, updated=())
 
   def __call__(self, *args, **kwargs):
@@ -46,6 +49,16 @@ class Bridged:
     seed = kwargs.pop("rng_seed") if self.seeded else None
     if _any_traced((args, kwargs)):  # called inside bridged code: run in the enclosing trace
       return inline.run_inline(self, args, kwargs, seed)
+    if self.fallback is None:
+      return self._bridged_call(args, kwargs, seed)
+    if self.fallback.outcome.fell_back:
+      return self.fallback.run(args, kwargs)
+    try:
+      return self._bridged_call(args, kwargs, seed)
+    except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
+      return self.fallback(e, args, kwargs)
+
+  def _bridged_call(self, args, kwargs, seed):
     grad_on = torch.is_grad_enabled()
     call_ = spec_.prepare(self.fn, self.name, args, kwargs,
                           lambda t: grad_on and t.requires_grad)
@@ -53,9 +66,7 @@ class Bridged:
     floats, others, mutated, layout = self.keyed(
         lambda key: self._invoke(call_.spec, key, call_.diff, call_.other), device, seed)
     write_back(self.name, (call_.args, call_.kwargs), layout.mutated, mutated, call_.diff)
-    floats, others = iter(floats), iter(others)
-    outputs = layout.out_tree.unflatten(
-        [next(floats) if is_float else next(others) for is_float in layout.float_mask])
+    outputs = layout.rebuild(floats, others)
     if call_.boxed:
       outputs, after = outputs
       stateful.write_back(call_.boxed, after, device)
@@ -91,15 +102,17 @@ class Bridged:
     fn = stateful.packing(fn)  # outputs only torch's pytrees know (a Hugging Face ModelOutput)
     if stateful.has_snapshots((args, kwargs)):
       fn = stateful.functionalized(fn)
+    self.traces += 1
     outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
                                                       fn_name=self.name)
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
-    float_mask = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)) for x in out_leaves)
-    floats = [x for x, f in zip(out_leaves, float_mask) if f]
-    others = [x for x, f in zip(out_leaves, float_mask) if not f]
+    kinds = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+                  if isinstance(x, jax.Array) else Static(x) for x in out_leaves)
+    floats = [x for x, kind in zip(out_leaves, kinds) if kind is True]
+    others = [x for x, kind in zip(out_leaves, kinds) if kind is False]
     positions = tuple(sorted(mutated))
-    layout = Layout(out_tree, float_mask, positions, stateful.has_packed(outputs))
+    layout = Layout(out_tree, kinds, positions, stateful.has_packed(outputs))
     return floats, (others, [mutated[i] for i in positions], layout)
 
   def _plain_half(self, spec, other, key_data):
@@ -140,55 +153,3 @@ def write_back(name, tree, positions, values, diff):
           f"copy (`x = x.clone()`) or return the new value.")
     with torch.no_grad():
       target.copy_(value)
-
-
-def bridge(fn: Optional[Callable] = None, *, remat: remat_policies.RematArg = None,
-           name: Optional[str] = None) -> Callable:
-  """Decorator: the torch function is traced once per signature and runs as one graph node.
-
-  The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to
-  the LazyTensor graph through `call_jax`; torch's backward adds the backward half. Only tensors
-  that require grad get gradients. Randomness (dropout, `torch.rand*`) is fresh on every call
-  and reproducible under `torch_xla.manual_seed`. In-place updates of arguments are written back.
-
-  Args:
-    fn: a torch function of tensors (and static values) returning tensors.
-    remat: what the backward keeps: None (what `jax.vjp` keeps), a preset (`"full"`, `"dots"`,
-      `"dots_no_batch"`, `"minimal"`, `"minimal_offloaded"`), a `jb.Remat`, or a
-      `jax.checkpoint_policies` policy. See docs/remat.md.
-    name: IR node name prefix; defaults to the function's name.
-
-  Returns:
-    The bridged function, with the same call signature.
-
-  Example:
-    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
-    >>> @jb.bridge
-    ... def mlp(x, w1, w2):
-    ...   return torch.relu(x @ w1) @ w2
-    >>> x = torch.randn(4, 8, device="xla")
-    >>> w1 = torch.randn(8, 16, device="xla", requires_grad=True)
-    >>> w2 = torch.randn(16, 2, device="xla", requires_grad=True)
-    >>> mlp(x, w1, w2).sum().backward()
-  """
-  if fn is None:
-    return functools.partial(bridge, remat=remat, name=name)
-  return Bridged(fn, remat=remat, name=name)
-
-
-def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False,
-                remat: remat_policies.RematArg = None) -> Callable:
-  """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
-
-  Unlike upstream, randomness inside `fn` is fresh on every call already. With
-  `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
-  tensor) that fixes the randomness instead, as upstream's does. `remat=` is as for `bridge`.
-
-  Example:
-    >>> import torch, torch_xla_jaxbridge as jb
-    >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
-    >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
-  """
-  bridged = Bridged(fn, remat=remat)
-  bridged.seeded = add_rng_seed_argument
-  return bridged

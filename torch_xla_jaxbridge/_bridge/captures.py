@@ -23,7 +23,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import modules, runtime
+from torch_xla_jaxbridge._core import modules, runtime, threads
 
 CELL, GLOBAL, ATTR, SELF = "cell", "global", "attr", "self"  # where a captured value was found
 
@@ -78,7 +78,7 @@ class Lifted:
     return f"Lifted({', '.join(self.names())})"
 
 
-@functools.cache
+@threads.once
 def _register_pytree():
   jax = runtime.jax_module()
   jax.tree_util.register_pytree_with_keys(
@@ -265,6 +265,20 @@ def _check_not_reassigned(fn, placed):
           f"{fn_name}: the bridged code assigned a new value to the captured `{name}`; an "
           f"assignment inside a trace cannot reach the captured tensor. Update it in place "
           f"(`{name}.copy_(new)`) or return the new value and assign it after the call.")
+
+
+def read_capture(fn: Callable, where: tuple) -> object:
+  """The value `fn` reads at the place `where` of a `Lifted` layout entry (a closure cell, a
+  global, an attribute of `self`, or `self`).
+
+  Example:
+    >>> w = torch.ones(1)
+    >>> f = lambda: w
+    >>> read_capture(f, collect(f, "f", xla=False).layout[0][0]) is w
+    True
+  """
+  function, owner = _target(fn)
+  return _read(function, owner, where)
 
 
 def _read(function, owner, where):

@@ -1,21 +1,16 @@
 """`BridgeModule`, `PureModule`: a module whose forward is bridged, still the same module.
 
-Structurally identical modules (the layers of a decoder stack) share one `Bridged` function, so
-one trace serves them all.
+Structurally identical modules (the layers of a decoder stack) share one bridged function, so
+one trace serves them all (`auto.ModuleBridge`).
 """
-import functools
-import weakref
+from typing import Any
 
 import torch
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import auto
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import modules
-
-
-_SHARED = weakref.WeakValueDictionary()  # structure key -> Bridged, shared by identical layers
 
 
 class BridgeModule(torch.nn.Module):
@@ -24,8 +19,10 @@ class BridgeModule(torch.nn.Module):
   Parameters, buffers and submodules are the wrapped module's own (the same dictionaries), so
   optimizers, `state_dict()` keys, `.to()`, tied weights and `train()`/`eval()` behave as on the
   wrapped module, and other attributes are read from it. Structurally identical modules (same
-  classes, shapes and plain attributes, e.g. the layers of a decoder stack) share one trace.
-  Non-tensor attributes are read when a signature is first traced.
+  classes, shapes and attribute values, e.g. the layers of a decoder stack) share one trace.
+  Non-tensor attributes are read when a signature is first traced. A module that cannot be
+  bridged runs as plain LazyTensor code with its own submodules bridged (`fallback=False`:
+  raise instead; docs/bridge.md).
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
@@ -35,31 +32,26 @@ class BridgeModule(torch.nn.Module):
     torch.Size([8, 8])
   """
 
-  def __init__(self, module: torch.nn.Module, *, remat: remat_policies.RematArg = None):
+  def __init__(self, module: torch.nn.Module, *, remat: remat_policies.RematArg = None,
+               fallback: bool = True):
     super().__init__()
     if not isinstance(module, torch.nn.Module):
       raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
     object.__setattr__(self, "_wrapped", module)
-    object.__setattr__(self, "_state", modules.StateWalk(module))
     torch_private.share_tables(self, module)
     self.training = module.training
-    key = modules.structure_key(module)
-    shared = _SHARED.get((key, remat)) if key is not None else None
-    if shared is None:
-      shared = Bridged(functools.partial(modules.module_forward, module), remat=remat,
-                       name=type(module).__name__)
-      if key is not None:
-        _SHARED[(key, remat)] = shared
-    self._bridged = shared
+    remat_policies.policy_for(remat)  # validates `remat`
+    object.__setattr__(self, "_settings", auto.Settings(type(module).__name__, remat, fallback,
+                                                          hooks=True))
+    auto.bridge_of(module, self._settings)  # its report row from now on
 
   @property
-  def wrapped(self):
+  def wrapped(self) -> torch.nn.Module:
     """The module whose forward is bridged."""
     return self._wrapped
 
-  def forward(self, *args, **kwargs):
-    params, buffers, training = self._state.state()
-    return self._bridged(params, buffers, training, args, kwargs)
+  def forward(self, *args: Any, **kwargs: Any) -> Any:
+    return auto.bridge_of(self._wrapped, self._settings)(*args, **kwargs)
 
   def train(self, mode=True):
     self._wrapped.train(mode)

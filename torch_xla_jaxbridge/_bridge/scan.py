@@ -91,7 +91,7 @@ class _LayerStack:
     self.layouts = [walk.walks for walk in self.walks]
     template = layers[0]
     self.template = weakref.ref(template)
-    self.structure = modules.structure_key(template)
+    self.structure = modules.structure_key(template, same_objects=False)
 
   def state(self):
     """`(params, buffers, training)`: each parameter and buffer stacked over layers, in the graph
@@ -182,7 +182,8 @@ class StackedLayers(torch.nn.Module):
   def forward(self, carry, *shared_args, **shared_kwargs):
     """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
     params, buffers, training = self._walk.state()
-    bridged = _bridged_scan(self.layer, modules.structure_key(self.layer), self.remat)
+    bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
+                            self.remat)
     return bridged(self.count, params, buffers, training, carry, shared_args, shared_kwargs)
 
   def __len__(self):

@@ -7,12 +7,11 @@ values, markers) keys the trace cache. `Layout` and `Residuals` are what a trace
 outputs and its backward; they travel through `call_jax` as static output structure.
 """
 import dataclasses
-import functools
 
 import torch
 
 from torch_xla_jaxbridge._bridge import captures, stateful
-from torch_xla_jaxbridge._core import call, plain, runtime, tracing
+from torch_xla_jaxbridge._core import call, plain, runtime, threads, tracing
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
 
@@ -23,13 +22,42 @@ class _Same(int):
 _ATOMS = (bool, int, float, str, type(None))
 
 
+class Static:
+  """An output leaf that is not an array (an int, a string, an object), kept as it is; compared
+  by value where it is hashable, else by identity."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def _key(self):
+    try:
+      return (type(self.value), hash(self.value), self.value)
+    except TypeError:
+      return (type(self.value), id(self.value))
+
+  def __eq__(self, other):
+    return isinstance(other, Static) and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key()[:2])
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """What a trace learned about its outputs; travels as static data through `call_jax`."""
+  """What a trace learned about its outputs; travels as static data through `call_jax`. `kinds`
+  has one entry per output leaf: True (a floating-point array, differentiable), False (another
+  array) or a `Static` (a value that is not an array, returned as it is)."""
   out_tree: object
-  float_mask: tuple
+  kinds: tuple
   mutated: tuple  # positions (among all argument leaves) updated in place
   packed: bool  # outputs in a structure only torch's pytrees know (stateful.pack_outputs)
+
+  def rebuild(self, floats, others):
+    """The outputs' pytree from the call's floating-point and other arrays."""
+    floats, others = iter(floats), iter(others)
+    return self.out_tree.unflatten([next(floats) if kind is True else next(others)
+                                    if kind is False else kind.value for kind in self.kinds])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +149,7 @@ class Spec:
     return self.treedef.unflatten(full)
 
 
-@functools.cache
+@threads.once
 def register_static_pytree():
   """Lets `Layout` and `Residuals` travel through `call_jax` as static output structure (once)."""
   jax = runtime.jax_module()

@@ -8,7 +8,6 @@ as outputs and is written back into the caller's object, so the caller sees what
 have done. A DynamicCache that grows re-traces per length (its tensors change shape); a
 StaticCache, written in place, keeps one trace per input shape.
 """
-import functools
 import sys
 import types
 
@@ -16,7 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import call, plain, runtime
+from torch_xla_jaxbridge._core import call, plain, runtime, threads
 
 _NOT_STATE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.ModuleType, torch.nn.Module)
@@ -364,7 +363,7 @@ def unpack_outputs(outputs, device):
   return jax.tree.map(unpack, outputs, is_leaf=lambda x: isinstance(x, Packed))
 
 
-@functools.cache
+@threads.once
 def _register():
   jax = runtime.jax_module()
   jax.tree_util.register_pytree_node(Snapshot, lambda s: (s.tensors, s.state),

@@ -28,6 +28,7 @@ def forward_half(run, policy, diff):
     run = jax.checkpoint(run, policy=policy)
   with differentiated():
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
+  vjp_fn = jax_private.vjp_without_known_values(vjp_fn)  # no traced value in its tree
   residuals, tree = jax.tree.flatten(vjp_fn)
   # a residual that is one of the inputs (a weight kept for the input's gradient) is not
   # returned by the forward: that would add an output, and a copy, per parameter

@@ -202,3 +202,42 @@ def cpu_compiled_memory(hlo_proto: bytes) -> Any:
   cpu = jax.devices("cpu")[:1]
   executable = cpu[0].client.compile_and_load(mlir, cpu, xla_client.CompileOptions())
   return executable.get_compiled_memory_stats()
+
+
+def vjp_without_known_values(vjp_fn: Any) -> Any:
+  """`jax.vjp`'s function with the values of outputs that do not depend on the inputs dropped
+  from its closure. JAX keeps each such value (an output partial evaluation found "known") in the
+  function's static part, `ad.vjp`'s `partial(unbound_vjp, pvals, jaxpr)`, though the backward
+  reads only whether each output is known; flattening the function to pass its residuals out of
+  a trace then keeps a traced value in the tree, which JAX's leak checker reports (a Hugging Face
+  T5 decoder block returns its cross-attention bias, zeros that depend on no input). Each known
+  value becomes a float32 zero. Breaks if JAX changes how `vjp` builds its function: then it is
+  returned unchanged (and such a call reports a leak); `test_compat` checks. Public alternative:
+  `jax.closure_convert`, which traces the backward once more.
+
+  Example:
+    >>> jax = _jax()
+    >>> out, vjp = jax.vjp(lambda x: (x * 2, jax.numpy.ones(2)), jax.numpy.ones(2))
+    >>> vjp_without_known_values(vjp)((jax.numpy.ones(2), jax.numpy.ones(2)))[0].tolist()
+    [2.0, 2.0]
+  """
+  import functools
+
+  import numpy as np
+
+  jax = _jax()
+  from jax._src.interpreters import partial_eval as pe
+
+  try:
+    (inner,) = vjp_fn.args
+    pvals, jaxpr = inner.func.args
+    if not any(isinstance(pv, pe.PartialVal) and pv.is_known() for pv in pvals):
+      return vjp_fn
+    cleaned = [pe.PartialVal.known(np.zeros((), np.float32)) if pv.is_known() else pv
+               for pv in pvals]
+  except (AttributeError, TypeError, ValueError):
+    return vjp_fn
+  partial = jax.tree_util.Partial
+  outer = vjp_fn.func
+  return partial(functools.partial(outer.func, *outer.args, **outer.keywords),
+                 partial(functools.partial(inner.func.func, cleaned, jaxpr), *inner.args))

@@ -100,6 +100,24 @@ def share_tables(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
   wrapper._modules = module._modules
 
 
+def reparametrized(module: torch.nn.Module, tensors: dict) -> Any:
+  """Context: `module` (and its submodules) read the given tensors by full name in place of their
+  own parameters and buffers, as `torch.func.functional_call` arranges before it calls the
+  module. Used to run a module's class `forward` directly (its hooks run once, outside the
+  bridged call, when the module's own `forward` is the bridge's). Public alternative:
+  `torch.func.functional_call`, which calls `module(...)`: its hooks and its instance `forward`.
+
+  Example:
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> with reparametrized(lin, {"weight": torch.ones(1, 1), "bias": torch.zeros(1)}):
+    ...   lin.weight.tolist()
+    [[1.0]]
+  """
+  from torch.nn.utils import stateless
+
+  return stateless._reparametrize_module(module, tensors, tie_weights=False)
+
+
 # --- torch.utils.checkpoint -----------------------------------------------------------------------
 
 @functools.cache

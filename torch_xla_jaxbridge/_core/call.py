@@ -7,7 +7,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
-from torch_xla_jaxbridge._core import dtypes, lowering, plain, runtime, tracing
+from torch_xla_jaxbridge._core import dtypes, lowering, plain, runtime, threads, tracing
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
 _jax = None
@@ -49,6 +49,10 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
   """
   if _jax is None:
     _load()
+  if not callable(jax_func):
+    raise errors.BadArgumentError(
+        f"call_jax: jax_func is a {type(jax_func).__name__} ({jax_func!r:.60}); expected the JAX "
+        f"function to call, e.g. jb.call_jax(lambda x: jnp.sin(x), (tensor,)).")
   leaves, treedef = _jax.tree.flatten((args, kwargs))
   traced_type = tracing.torchax_tensor_type()
   if traced_type is not None and any(isinstance(leaf, traced_type) for leaf in leaves):
@@ -71,8 +75,9 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
                jax_private.trace_context(), captured)
   entry = lowering.CACHE.lookup(anchor, subkey, signature)
   if entry is None:
-    entry = _trace(jax_func, anchor, subkey, signature, (args, kwargs), tensors, statics, treedef,
-                   name)
+    with threads.TRACING:  # one trace at a time; another thread may have made this one meanwhile
+      entry = lowering.CACHE.lookup(anchor, subkey, signature) or _trace(
+          jax_func, anchor, subkey, signature, (args, kwargs), tensors, statics, treedef, name)
   outputs = _user_computation(entry.op_name, tensors, entry.computation)
   return entry.out_tree.unflatten(outputs)
 

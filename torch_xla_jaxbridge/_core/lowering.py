@@ -130,19 +130,18 @@ class LoweringCache:
     return entries.get(subkey) if entries is not None else None
 
   def lookup(self, anchor, subkey, signature):
-    """Returns the `Lowered` for this signature, or None (counting a miss)."""
+    """Returns the `Lowered` for this signature (counting a hit), or None."""
     per_function = self._function(anchor, subkey)
     if per_function is not None:
       table = per_function.by_signature
       found = table.get(signature)  # hashing a signature of many tensors costs: once if we can
       if found is not None:
-        if len(table) > 1:  # most recently used last
-          del table[signature]
-          table[signature] = found
-        self.hits += 1
-        per_function.last_signature = signature
+        with self._lock:
+          if len(table) > 1 and signature in table:  # most recently used last
+            table[signature] = table.pop(signature)
+          self.hits += 1
+          per_function.last_signature = signature
         return found
-    self.misses += 1
     return None
 
   def previous(self, anchor, subkey):
@@ -154,8 +153,10 @@ class LoweringCache:
     return last, per_function.by_signature[last]
 
   def add(self, anchor, subkey, signature, lowered, reason=None):
-    """Stores a newly lowered signature; `reason` says why a known function was re-traced."""
+    """Stores a newly lowered signature (counting a miss: one per trace); `reason` says why a
+    known function was re-traced."""
     with self._lock:
+      self.misses += 1
       entries = self._table(anchor).setdefault(anchor, {})
       per_function = entries.setdefault(subkey, _FunctionEntries())
       table = per_function.by_signature

@@ -4,6 +4,7 @@ Bridged modules, layer stacks and `jaxify` all read a module through these: `Sta
 current parameters and buffers by name, without walking the tree each call), `structure_key`
 (when two modules may share a trace) and `attribute_differences` (when two layers may share a scan).
 """
+import functools
 import weakref
 
 import torch
@@ -16,13 +17,21 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training"}
 
 
 def _attributes(module):
-  """`(name, value)` of a module's own attributes, sorted, without torch's bookkeeping."""
-  return sorted((k, v) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
+  """`(name, value)` of a module's own attributes, sorted, without torch's bookkeeping (and the
+  bridge's own `forward`)."""
+  return sorted((k, v) for k, v in vars(module).items()
+                if k not in _MODULE_INTERNALS and not isinstance(v, BridgedForward))
 
 
-def module_forward(module, params, buffers, training, args, kwargs):
+class BridgedForward(functools.partial):
+  """A module's `forward` replaced by the bridge's (`jb.bridge_modules`): not an attribute that
+  decides what the module computes (its class's forward does)."""
+
+
+def module_forward(module, params, buffers, training, args, kwargs, hooks=True):
   """Runs `module(*args, **kwargs)` with the given parameters, buffers and per-submodule training
-  modes (in `module.modules()` order), restoring the modes after.
+  modes (in `module.modules()` order), restoring the modes after. Without `hooks`, the module's
+  class `forward` is called directly (no hooks, not a `forward` set on the instance).
 
   Example:
     >>> lin = torch.nn.Linear(2, 3)
@@ -35,16 +44,37 @@ def module_forward(module, params, buffers, training, args, kwargs):
   try:
     for sub, mode in zip(subs, training):
       sub.training = mode
+    if not hooks:
+      with torch_private.reparametrized(module, {**params, **buffers}):
+        return type(module).forward(module, *args, **(kwargs or {}))
     return torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=False)
   finally:
     for sub, mode in zip(subs, before):
       sub.training = mode
 
 
-def structure_key(module):
-  """A hashable description of everything but the tensor values a module's forward depends on,
-  or None when some attribute is not a plain value (then the module is traced on its own).
-  Modules with equal keys share one trace.
+class _Same:
+  """An attribute that is not a configuration value, in a structure key: equal only to itself
+  (held, so its id cannot be reused while the key lives)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __eq__(self, other):
+    return isinstance(other, _Same) and other.value is self.value
+
+  def __hash__(self):
+    return id(self.value)
+
+
+def structure_key(module, same_objects=True):
+  """A hashable description of everything but the tensor values a module's forward depends on.
+  Modules with equal keys share one trace: the same classes, tensor shapes and dtypes, and
+  attributes equal by value (`plain.key(..., contents=True)`: numbers, strings, containers,
+  configuration objects by their contents) or, for anything else (a function, an object with
+  behaviour), the very same object. Without `same_objects`, a module holding such an attribute
+  has no key (None): a key that is kept forever must not keep objects alive.
 
   Example:
     >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
@@ -55,11 +85,14 @@ def structure_key(module):
     attrs = []
     for name_, value in _attributes(sub):
       try:
-        attrs.append((name_, plain.key(value)))
+        attrs.append((name_, plain.key(value, contents=True)))
       except plain.NotPlain:
-        return None
-    tensors = [(k, tuple(t.shape), t.dtype) for k, t in
-               list(torch_private.parameters_table(sub).items()) + list(torch_private.buffers_table(sub).items()) if t is not None]
+        if not same_objects:
+          return None
+        attrs.append((name_, _Same(value)))
+    tables = (torch_private.parameters_table(sub), torch_private.buffers_table(sub))
+    tensors = [(k, tuple(t.shape), t.dtype) for table in tables for k, t in table.items()
+               if t is not None]
     parts.append((name, type(sub), tuple(attrs), tuple(tensors)))
   return tuple(parts)
 
@@ -150,6 +183,6 @@ def attribute_differences(first, other):
 
 def _same(a, b):
   try:
-    return plain.key(a) == plain.key(b)
+    return plain.key(a, contents=True) == plain.key(b, contents=True)
   except plain.NotPlain:
     return a is b

@@ -5,7 +5,11 @@ static arguments and closures, a bridged module's structure key, and the check t
 a scan are identical. Two plain values share a trace only if their keys are equal, and keys keep
 types apart (`1`, `1.0` and `True` differ; so do `(1, 2)` and `[1, 2]`).
 """
+import collections.abc
+import dataclasses
 import enum
+import functools
+import types
 
 import numpy as np
 import torch
@@ -24,11 +28,15 @@ class NotPlain(Exception):
     self.value = value
 
 
-def key(value):
+def key(value, *, contents=False, _depth=0):
   """A hashable key for a plain value; raises `NotPlain` for anything else.
 
   Plain: None, bool, int, float, complex, str, bytes, torch/NumPy dtypes, torch.device, enum
   members, and tuples, lists, `torch.Size`s, dicts, sets and frozensets of plain values (nested).
+  With `contents` (how a module's attributes are compared), also configuration objects by their
+  contents: dataclasses by their fields, mappings (an OmegaConf `DictConfig`) by their items,
+  and other objects that are not callable by their `vars()` (a Hugging Face config), each of
+  plain values.
 
   Example:
     >>> key((3, 1)) == key((3, 1)), key((3, 1)) == key((1, 3)), key(1) == key(1.0)
@@ -37,13 +45,35 @@ def key(value):
   kind = type(value)
   if kind in _ATOMS or isinstance(value, enum.Enum):
     return (kind, value)
+  if _depth > _MAX_DEPTH:
+    raise NotPlain(value)
+  inner = functools.partial(key, contents=contents, _depth=_depth + 1)
   if kind in (tuple, list, torch.Size):
-    return (kind, tuple(key(v) for v in value))
+    return (kind, tuple(inner(v) for v in value))
   if kind is dict:
-    return (kind, tuple(sorted(((key(k), key(v)) for k, v in value.items()), key=repr)))
+    return (kind, tuple(sorted(((inner(k), inner(v)) for k, v in value.items()), key=repr)))
   if kind in (set, frozenset):
-    return (kind, frozenset(key(v) for v in value))
+    return (kind, frozenset(inner(v) for v in value))
+  if contents:
+    return (kind, _contents(value, inner))
   raise NotPlain(value)
+
+
+_MAX_DEPTH = 12  # nesting followed (an object that refers to itself is not plain)
+
+
+def _contents(value, inner):
+  """The key of a configuration object's contents (see `key`), or `NotPlain`."""
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return tuple((f.name, inner(getattr(value, f.name))) for f in dataclasses.fields(value))
+  if isinstance(value, collections.abc.Mapping):
+    return tuple(sorted(((inner(k), inner(v)) for k, v in value.items()), key=repr))
+  state = getattr(value, "__dict__", None)
+  if state is None or callable(value) or isinstance(value, (type, types.ModuleType, torch.Tensor,
+                                                            torch.nn.Module)) or hasattr(
+                                                                type(value), "__slots__"):
+    raise NotPlain(value)  # its state is not all in `vars()`, or it is code
+  return tuple(sorted((name, inner(v)) for name, v in state.items()))
 
 
 def is_plain(value):

@@ -3,11 +3,11 @@
 torch_xla must create its PJRT client before JAX touches an accelerator, or the two fight over
 the device. Everything in the package imports JAX through `jax_module()`.
 """
-import functools
 import importlib.util
 import os
 
 from torch_xla_jaxbridge._compat import torch_xla_private
+from torch_xla_jaxbridge._core import threads
 
 _ACCELERATOR_HINTS = ("PJRT_DEVICE", "TPU_NUM_DEVICES", "GPU_NUM_DEVICES", "NEURON_RT_VISIBLE_CORES")
 
@@ -24,7 +24,7 @@ def default_to_cpu():
     os.environ["PJRT_DEVICE"] = "CPU"
 
 
-@functools.cache
+@threads.once
 def jax_module():
   """Returns the `jax` module, imported after torch_xla's PJRT client exists.
 
@@ -39,7 +39,7 @@ def jax_module():
   return jax
 
 
-@functools.cache
+@threads.once
 def lowering_platform():
   """The JAX platform name that matches torch_xla's device: 'cpu', 'tpu', 'cuda' or 'neuron'.
 

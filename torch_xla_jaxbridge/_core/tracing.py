@@ -15,7 +15,6 @@ can write them back. Features plug in without this module knowing them:
 This module imports no feature module; features import it and register themselves.
 """
 import contextlib
-import functools
 import sys
 import threading
 from typing import Callable
@@ -24,7 +23,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import diagnostics, rng, runtime
+from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads
 
 _OP_OVERRIDES = {}
 _TRACE_CONTEXTS = []
@@ -40,7 +39,7 @@ def register_op_override(op, impl: Callable) -> None:
     >>> register_op_override(torch.nn.functional.linear, overrides.linear)
   """
   _OP_OVERRIDES[op] = impl
-  if environment.cache_info().currsize:
+  if environment.done():
     environment().override_op_definition(op, impl)
 
 
@@ -93,7 +92,7 @@ def _plain_tensor_used(tensor):
   raise diagnostics.PlainTensorUsed(tuple(tensor.shape))
 
 
-@functools.cache
+@threads.once
 def environment():
   """The torchax environment bridged code runs in (created on first use).
 
@@ -227,6 +226,8 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   import torchax.tensor
 
   env = environment()
+  with jax.ensure_compile_time_eval():  # a thread's first use makes its default key (torchax's
+    torchax_private.current_key(env)   # properties are per thread): a constant, not a traced value
   leaves, treedef = jax.tree.flatten((args, kwargs))
   tensors = {}  # one torchax tensor per array: an in-place update through one place shows in all
   wrapped = [tensors.setdefault(id(x), torchax.tensor.Tensor(x, env))
@@ -235,6 +236,7 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   prng = rng.key_from_data(jax, key_data) if key_data is not None else None
   try:
     with contextlib.ExitStack() as stack:
+      stack.enter_context(threads.TRACING)  # the environment's key is set per trace
       if prng is not None:
         stack.enter_context(env.override_property(prng=prng))
       stack.enter_context(env)

@@ -4,4 +4,5 @@ Each module adds an op override, a trace context or a trace key; nothing else im
 their side effects.
 """
 from torch_xla_jaxbridge._integrations import (autocast, control_flow, hf_models, overrides,  # noqa: F401
-                                               spmd, torch_checkpoint, torch_xla_kernels)
+                                               spmd, torch_checkpoint, torch_xla_kernels,
+                                               trace_signals)

@@ -12,13 +12,12 @@ autocast re-traces once. `torch.autocast("cpu")` does not touch XLA tensors, so 
 touch bridged code either.
 """
 import dataclasses
-import functools
 import threading
 
 import torch
 
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import dtypes, runtime, tracing
+from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 LOWER, FP32, PROMOTE = "lower_precision_fp", "fp32", "promote"
 
@@ -104,7 +103,7 @@ _DECOMPOSED = {"aten::_log_softmax": "aten::log_softmax.int",
 _FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss"}
 
 
-@functools.cache
+@threads.once
 def _function_policies():
   """Policies by torch function name: an aten op all of whose (non-`out`) overloads share one."""
   found = {}

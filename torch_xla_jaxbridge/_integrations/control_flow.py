@@ -5,17 +5,15 @@ differentiable loop with a fixed trip count.
 Outside bridged code the same calls run torch's own implementations.
 """
 import contextlib
-import functools
 from typing import Any, Callable
 
-import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private, torchax_private
-from torch_xla_jaxbridge._core import patching, runtime, tracing
+from torch_xla_jaxbridge._core import runtime, threads, tracing
 
 
-@functools.cache
+@threads.once
 def _install():
   """Registers the lowering of torch's `cond` and `while_loop` for torchax tensors (once)."""
   operators = torch_private.higher_order_operators()
@@ -23,29 +21,17 @@ def _install():
   torchax_private.register_higher_order_rule(operators["while_loop"], _while_loop)
 
 
-def _dynamo_compiling():
-  return _OPERATORS_DIRECT.active() or _OPERATORS_DIRECT.original("is_dynamo_compiling")()
-
-
-# In a thread that traces bridged code, `torch.cond` and `torch.while_loop` call their operators
-# directly, as they do under torch.compile, instead of compiling themselves with Dynamo (which,
-# run on torchax tensors, would leave Dynamo caches that break later eager calls).
-_OPERATORS_DIRECT = patching.Patch(lambda: [torch.compiler],
-                                   {"is_dynamo_compiling": _dynamo_compiling})
-
-
 @contextlib.contextmanager
 def traced_control_flow():
-  """Around traced torch code: torch's control-flow operators run as JAX's.
+  """Around traced torch code: torch's control-flow operators run as JAX's (`torch.cond` calls its
+  operator directly there, as under torch.compile: `trace_signals`).
 
   Example:
     >>> with traced_control_flow():
-    ...   torch.compiler.is_dynamo_compiling()
-    True
+    ...   pass
   """
   _install()
-  with _OPERATORS_DIRECT:
-    yield
+  yield
 
 
 tracing.register_trace_context(traced_control_flow)

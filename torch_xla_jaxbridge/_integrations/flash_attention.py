@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge._core import runtime, threads
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(_MASKED - m) is 0, never NaN
 
@@ -97,7 +97,7 @@ def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: flo
   return flash_attention(query, key, value, causal=is_causal, scale=scale)
 
 
-@functools.cache
+@threads.once
 def _attention_fn():
   jax = runtime.jax_module()
 

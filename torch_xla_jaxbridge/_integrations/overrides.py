@@ -7,7 +7,6 @@ the active overrides are a trace key, so a trace is never reused under other ove
 """
 import contextlib
 import dataclasses
-import functools
 import threading
 import weakref
 from typing import Callable, Iterator, Mapping
@@ -16,7 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import runtime, tracing
+from torch_xla_jaxbridge._core import runtime, threads, tracing
 
 _SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
 
@@ -64,7 +63,7 @@ def active() -> Active:
 _ATEN_OP_TYPES = (type(torch.ops.aten.mm), type(torch.ops.aten.mm.default))
 
 
-@functools.cache
+@threads.once
 def _torch_functions():
   return frozenset(f for fs in torch.overrides.get_overridable_functions().values() for f in fs)
 
@@ -189,7 +188,7 @@ def linear(input, weight, bias=None):
   return tensor(out, tracing.environment())
 
 
-@functools.cache
+@threads.once
 def _folded_linear():
   jax = runtime.jax_module()
   einsum = lambda x, w: jax.numpy.einsum("...a,ba->...b", x, w)  # noqa: E731

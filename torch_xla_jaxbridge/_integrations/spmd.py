@@ -9,7 +9,6 @@ in the lowered computation, built from the torch_xla mesh's own device ids: no J
 mesh are needed, so it works where torch_xla owns the chips.
 """
 import dataclasses
-import functools
 import math
 import sys
 from typing import Any, Sequence
@@ -20,7 +19,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private, torchax_private
-from torch_xla_jaxbridge._core import patching, runtime, tracing
+from torch_xla_jaxbridge._core import patching, runtime, threads, tracing
 from torch_xla_jaxbridge._core.sharding import spmd_enabled
 
 
@@ -128,7 +127,7 @@ def _axis_index(mesh, names, axis, spec, where):
       f"its axes are {names or tuple(range(len(mesh.mesh_shape)))}.")
 
 
-@functools.cache
+@threads.once
 def _primitive():
   """The constraint as a JAX primitive: identity on values, an HLO `Sharding` custom call when
   lowered; its transpose constrains the cotangent the same way (as `with_sharding_constraint`)."""

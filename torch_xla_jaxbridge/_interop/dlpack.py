@@ -7,7 +7,6 @@ the process), a non-contiguous CPU tensor or one whose data is not 64-byte align
 results are outside autograd); `to_cpu` and `to_xla` are the same moves inside autograd: the
 gradient moves back through DLPack too.
 """
-import functools
 import warnings
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_private, torch_xla_private
-from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge._core import runtime, threads
 
 _ALIGNMENT = 64  # bytes: PJRT's CPU client aliases host buffers aligned like this, copies others
 
@@ -223,7 +222,7 @@ def unshareable(tensor):
   return None
 
 
-@functools.cache
+@threads.once
 def _cpu_import():
   """JAX's own DLPack import onto its CPU device, or None off CPU PJRT or where this JAX lacks it
   (`jax.dlpack.from_dlpack` wraps the same call in slower conversions; docs/performance.md)."""

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from torch_xla_jaxbridge import errors, optim
-from torch_xla_jaxbridge._bridge import bridging, spec, vjp
+from torch_xla_jaxbridge._bridge import auto, bridging, spec, vjp
+from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._core import call, runtime, sharding
 
@@ -20,19 +21,44 @@ class TrainStep:
   """A training step made by `train_step`: call it with the loss function's arguments."""
 
   def __init__(self, loss_fn: Callable, optimizer: optim.RuleOptimizer,
-               remat: remat_policies.RematArg):
+               remat: remat_policies.RematArg, fallback: bool):
     if not isinstance(optimizer, optim.RuleOptimizer):
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs the "
           f"update rule of a jb.optim optimizer ({', '.join(optim.optimizers())}). Use one of "
           f"those, or call loss.backward() and optimizer.step() for other optimizers.")
     self.bridged = bridging.Bridged(loss_fn, remat=remat)
     self.optimizer = optimizer
     self.name = self.bridged.name
+    self.fallback = fallback
+    self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
+                                     lambda: self.bridged.traces)
 
   def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     # through optimizer.step(), so its hooks run and LR schedulers see an optimizer step
-    return self.optimizer.step_running(lambda: self._run(args, kwargs))
+    return self.optimizer.step_running(lambda: self._step_or_fall_back(args, kwargs))
+
+  def _step_or_fall_back(self, args, kwargs):
+    if not self.outcome.fell_back:
+      try:
+        return self._run(args, kwargs)
+      except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
+        self.outcome.fall_back(e, self.fallback)
+    return self._plain_step(args, kwargs)
+
+  def _plain_step(self, args, kwargs):
+    """The step as plain LazyTensor code with the modules the loss reads bridged one by one:
+    the loss, its gradients by autograd (never in `p.grad`), the optimizer's one-node update."""
+    settings = auto.Settings(self.outcome.name, None, self.fallback)
+    with torch.enable_grad(), auto.captured_bridged(self.bridged.fn, settings):
+      loss = self.bridged.fn(*args, **kwargs)
+      params = [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.requires_grad]
+      grads = torch.autograd.grad(loss, params, allow_unused=True)
+    used = [(p, g) for p, g in zip(params, grads) if g is not None]
+    self.optimizer.check_params([p for p, _ in used], grads=False)
+    self.optimizer.apply_gradients([p for p, _ in used], [g for _, g in used])
+    return loss.detach()
 
   def _run(self, args, kwargs):
     spec.register_static_pytree()
@@ -41,12 +67,12 @@ class TrainStep:
     prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
                             lambda t: id(t) in trained and t.requires_grad)
     if prepared.boxed:
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "
           f"instead, or call the model and loss.backward() with optimizer.step().")
     diff = prepared.diff
     if not diff:
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"train_step: none of the tensors {self.name} reads (arguments, or modules and tensors "
           f"it closes over) is a parameter of the optimizer; close over the model the optimizer "
           f"trains (e.g. lambda x, y: loss(model(x), y)) or pass it as an argument.")
@@ -78,8 +104,8 @@ class TrainStep:
     def loss_of(*d):
       floats, aux = self.bridged.run(spec_, d, other, key_data)
       layout = aux[2]
-      if len(layout.float_mask) != 1 or not layout.float_mask[0] or floats[0].shape != ():
-        raise errors.BadArgumentError(
+      if layout.kinds != (True,) or floats[0].shape != ():
+        raise errors.UsageError(
             f"train_step: {self.name} must return the loss, one floating-point scalar tensor; "
             f"it returned {layout.out_tree.num_leaves} value(s): "
             f"{[tuple(f.shape) for f in floats]} floating-point shapes. Reduce the loss "
@@ -97,7 +123,7 @@ class TrainStep:
 
 
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
-               remat: remat_policies.RematArg = None) -> TrainStep:
+               remat: remat_policies.RematArg = None, fallback: bool = True) -> TrainStep:
   """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
   optimizer's parameters, and the optimizer's update.
 
@@ -108,7 +134,10 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
   parameters and optimizer state in place; `optimizer.grad_norm` holds the norm before clipping.
   Gradients are not written to `p.grad`. Randomness (dropout) is fresh each step. `remat=` is as
   for `jb.bridge`; modules inside may be `BridgeModule`s or `StackedLayers` with their own
-  policies.
+  policies. Where the loss cannot be bridged as a whole (data-dependent Python control flow such
+  as LayerDrop, an op with no lowering), the step falls back (`fallback=True`): the loss runs as
+  plain LazyTensor code with the modules it reads bridged one by one, its gradients by autograd,
+  and the same optimizer update; said once and listed in `jb.bridge_report()`.
 
   Example:
     >>> import torch, torch_xla, torch_xla_jaxbridge as jb
@@ -120,4 +149,4 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
     >>> losses[-1].item() < losses[0].item()
     True
   """
-  return TrainStep(loss_fn, optimizer, remat)
+  return TrainStep(loss_fn, optimizer, remat, fallback)

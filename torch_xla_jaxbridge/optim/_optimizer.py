@@ -45,6 +45,7 @@ class RuleOptimizer(TorchLayout):
     self.max_grad_norm = max_grad_norm
     self.grad_norm: Optional[torch.Tensor] = None
     self._update: Optional[Callable[[], Any]] = None  # `step_running`'s, for one step()
+    self._pending: list = []  # `prepare`'s (param, new state or None, step), for `take`
 
   @torch.no_grad()
   def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -58,14 +59,27 @@ class RuleOptimizer(TorchLayout):
         loss = closure()
     params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
     self.check_params(params)
+    self.apply_gradients(params, [p.grad for p in params])
+    return loss
+
+  def apply_gradients(self, params: list, grads: list) -> None:
+    """One update of `params` (each in a param group) by `grads`, as one graph node: what
+    `step()` does with the `.grad`s (and `jb.train_step` where it falls back).
+
+    Example:
+      >>> import torch, torch_xla_jaxbridge as jb
+      >>> w = torch.nn.Parameter(torch.ones(2, device="xla"))
+      >>> jb.optim.SGD([w], lr=0.5).apply_gradients([w], [torch.ones(2, device="xla")])
+      >>> w.detach().cpu().tolist()
+      [0.5, 0.5]
+    """
     self.grad_norm = None
     if params:
       states, scalars, statics = self.prepare(params)
       results = call.call_jax(
-          apply_rule, (params, [p.grad for p in params], states, scalars.to(params[0].device)),
-          statics, name=f"{self.rule.name}_step")
+          apply_rule, (params, list(grads), states, scalars.to(params[0].device)), statics,
+          name=f"{self.rule.name}_step")
       self.take(params, results)
-    return loss
 
   def step_running(self, update: Callable[[], Any]) -> Any:
     """One `step()` whose update is `update()` (its result returned): the step's hooks run and
@@ -104,14 +118,16 @@ class RuleOptimizer(TorchLayout):
 
   def prepare(self, params: list) -> tuple:
     """For one step of `params` (in `param_groups` order, each with a gradient): their state
-    dicts of XLA tensors (made on a parameter's first step; step counts advanced), the step's
-    scalars (a CPU float32 tensor: each parameter's hyperparameters, then max_grad_norm) and
-    `apply_rule`'s static arguments. `jb.train_step` calls it too."""
+    dicts of XLA tensors (zeros on a parameter's first step), the step's scalars (a CPU float32
+    tensor: each parameter's hyperparameters, then max_grad_norm) and `apply_rule`'s static
+    arguments. Changes nothing until `take` commits it (new states, step counts), so a step that
+    fails in between leaves the optimizer as it was. `jb.train_step` calls it too."""
     rule, selected = self.rule, {id(p) for p in params}
     states: list[dict] = []
     scalars: list[float] = []
     options: list[dict] = []
     names: tuple = ()
+    pending = self._pending = []
     for group in self.param_groups:
       group_options = rule.options(group)
       for p in group["params"]:
@@ -119,12 +135,10 @@ class RuleOptimizer(TorchLayout):
           continue
         state = self.state.get(p) or {}
         first = not state
-        if first:  # as torch: a parameter has a state entry only when its rule keeps one
+        if first:
           state = self.init_state(p, group_options)
-        step = 1.0
-        if rule.counts_steps:
-          step = float(state["step"]) + 1
-          state["step"] = torch.tensor(step, dtype=torch.float32)
+        step = float(state["step"]) + 1 if rule.counts_steps else 1.0
+        pending.append((p, state if first else None, step))
         hyper = rule.hyperparameters(group, step)
         names = names or tuple(hyper)
         scalars.extend(hyper[n] for n in names)

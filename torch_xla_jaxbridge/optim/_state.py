@@ -43,22 +43,25 @@ class TorchLayout(torch.optim.Optimizer):
 
   def init_state(self, p: torch.Tensor, options: dict) -> dict:
     """The state a parameter starts with, as torch makes it on its first step: a step count of
-    0 and zeros (stored in `self.state` unless there is nothing to keep)."""
-    shapes = self.rule.state_shapes(tuple(p.shape), p.dtype, options)
-    if not shapes and not self.rule.counts_steps:
-      return {}
-    state = self.state[p]
-    if self.rule.counts_steps:
-      state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for key, (shape, dtype) in shapes.items():
+    0 and zeros (kept once `take` commits the step; as in torch, a parameter whose rule keeps
+    nothing gets no entry)."""
+    state = {"step": torch.tensor(0.0, dtype=torch.float32)} if self.rule.counts_steps else {}
+    for key, (shape, dtype) in self.rule.state_shapes(tuple(p.shape), p.dtype, options).items():
       state[key] = (torch.zeros_like(p, memory_format=torch.preserve_format)
                     if tuple(shape) == tuple(p.shape) and dtype == p.dtype else
                     torch.zeros(shape, dtype=dtype, device=p.device))
     return state
 
   def take(self, params: list, results: tuple) -> None:
-    """Parameters and states take the values `apply_rule` returned; sets `grad_norm`."""
+    """Commits the step `prepare` made: new states and step counts are kept, parameters and
+    states take the values `apply_rule` returned (in place); sets `grad_norm`."""
     new_params, new_states, self.grad_norm = results
+    for p, created, step in self._pending:
+      if created:
+        self.state[p] = created
+      if self.rule.counts_steps:
+        self.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
+    self._pending = []
     for p, new in zip(params, new_params):
       torch_xla_private.replace_data(p, new)
     torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows

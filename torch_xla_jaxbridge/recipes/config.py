@@ -159,6 +159,7 @@ def check(cfg):
     _at_least(f"train.{key}", train[key], 1)
   _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
   _check_optimizer(train)
+  _check_out(cfg["out"])
   _check_data(train, model)
   _check_mesh(mesh, train)
   _check_model(model)
@@ -222,6 +223,16 @@ def _check_optimizer(train):
   if not 0 <= train["warmup_steps"] <= train["steps"]:
     raise ConfigError(f"train.warmup_steps: must be between 0 and train.steps ({train['steps']}), "
                       f"got {train['warmup_steps']}.")
+
+
+def _check_out(out):
+  """`out` names a directory, existing or not (not a file, not nothing)."""
+  if not isinstance(out, str) or not out.strip():
+    raise ConfigError(f"out: {out!r} names no directory; give the run's directory, e.g. "
+                      f"out=out/train.")
+  if pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
+    raise ConfigError(f"out: {out} is a file, not a directory; give a directory for the run's "
+                      f"metrics, summary and checkpoints.")
 
 
 def _check_mesh(mesh, train):

@@ -10,6 +10,7 @@ runs. Writes per-step metrics (`recipes.metrics`), progress lines with an ETA an
 saves checkpoints and resumes from them.
 """
 import collections
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -52,7 +53,9 @@ def prepare(cfg, device):
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
   elif cfg["remat"]["bridge"] != "none" and not cfg["remat"]["stack_layers"]:
-    model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat) for l in model.layers)
+    fallback = cfg["remat"]["fallback"]
+    model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat, fallback=fallback)
+                                       for l in model.layers)
   return model
 
 
@@ -72,7 +75,7 @@ def make_step(cfg, model, optimizer):
   loss_of = lambda inputs, targets: torch.nn.functional.cross_entropy(  # noqa: E731
       model(inputs).flatten(0, 1), targets.flatten())
   if cfg["remat"]["bridge"] == "step":
-    fused = jb.train_step(loss_of, optimizer)
+    fused = jb.train_step(loss_of, optimizer, fallback=cfg["remat"]["fallback"])
 
     def step(inputs, targets, schedule):
       lr = optimizer.param_groups[0]["lr"]
@@ -353,6 +356,7 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
       "tokens_per_s": median("tokens_per_s"),
       "mfu": median("mfu") if reads.peak is not None and steady else None,
       "overlap_ms": statistics.median(overlaps) if overlaps else None,
+      "fallbacks": [dataclasses.asdict(r) for r in jb.bridge_report().fallbacks()],
   }
   if sharded_model is not None:  # each parameter's sharding as it left the last step
     spec = jb.spmd.sharding_spec

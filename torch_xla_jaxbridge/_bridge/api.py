@@ -1,0 +1,95 @@
+"""`bridge`, `assume_pure`: a torch function as a bridged call that falls back where it must."""
+import functools
+from typing import Any, Callable, Optional
+
+from torch_xla_jaxbridge._bridge import auto, fallback as fallbacks
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._bridge.bridging import Bridged
+
+
+class Fallback:
+  """A bridged function's way out: the call as plain LazyTensor code, with the modules the
+  function reads (closure, globals, `self`) bridged one by one while it runs."""
+
+  def __init__(self, bridged: Bridged, enabled: bool):
+    self.bridged, self.enabled = bridged, enabled
+    self.outcome = fallbacks.Outcome(bridged.name, "function", lambda: bridged.traces)
+
+  def __call__(self, exc: BaseException, args: tuple, kwargs: dict) -> Any:
+    self.outcome.fall_back(exc, self.enabled)
+    return self.run(args, kwargs)
+
+  def run(self, args: tuple, kwargs: dict) -> Any:
+    settings = auto.Settings(self.bridged.name, None, self.enabled)
+    with auto.captured_bridged(self.bridged.fn, settings):
+      return self.bridged.fn(*args, **kwargs)
+
+
+def with_fallback(bridged: Bridged, enabled: bool) -> Bridged:
+  """`bridged`, falling back to plain LazyTensor code where it cannot be bridged (`enabled`), or
+  raising the error there.
+
+  Example:
+    >>> with_fallback(Bridged(abs), True).fallback.outcome.status
+    'bridged'
+  """
+  bridged.fallback = Fallback(bridged, enabled)
+  return bridged
+
+
+def bridge(fn: Optional[Callable] = None, *, remat: remat_policies.RematArg = None,
+           name: Optional[str] = None, fallback: bool = True) -> Callable:
+  """Decorator: the torch function is traced once per signature and runs as one graph node.
+
+  The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to
+  the LazyTensor graph through `call_jax`; torch's backward adds the backward half. Only tensors
+  that require grad get gradients. Randomness (dropout, `torch.rand*`) is fresh on every call
+  and reproducible under `torch_xla.manual_seed`. In-place updates of arguments are written back.
+
+  Args:
+    fn: a torch function of tensors (and static values) returning tensors.
+    remat: what the backward keeps: None (what `jax.vjp` keeps), a preset name
+      (`jb.remat.presets()`), a `jb.Remat`, or a `jax.checkpoint_policies` policy. See
+      docs/remat.md.
+    name: IR node name prefix; defaults to the function's name.
+    fallback: when the code cannot be bridged (data-dependent Python control flow, an op with no
+      lowering, ...), run it as plain LazyTensor code with the modules it reads bridged one by
+      one, say so once (`jb.errors.FallbackWarning`) and list it in `jb.bridge_report()`;
+      False raises the error instead. See docs/bridge.md.
+
+  Returns:
+    The bridged function, with the same call signature.
+
+  Example:
+    >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> @jb.bridge
+    ... def mlp(x, w1, w2):
+    ...   return torch.relu(x @ w1) @ w2
+    >>> x = torch.randn(4, 8, device="xla")
+    >>> w1 = torch.randn(8, 16, device="xla", requires_grad=True)
+    >>> w2 = torch.randn(16, 2, device="xla", requires_grad=True)
+    >>> mlp(x, w1, w2).sum().backward()
+  """
+  if fn is None:
+    return functools.partial(bridge, remat=remat, name=name, fallback=fallback)
+  return with_fallback(Bridged(fn, remat=remat, name=name), fallback)
+
+
+def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False,
+                remat: remat_policies.RematArg = None, fallback: bool = True) -> Callable:
+  """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
+
+  Unlike upstream, randomness inside `fn` is fresh on every call already. With
+  `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
+  tensor) that fixes the randomness instead, as upstream's does. `remat=` and `fallback=` are as
+  for `bridge` (code that cannot be bridged runs as plain LazyTensor code, where upstream's
+  raises).
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
+    >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
+  """
+  bridged = with_fallback(Bridged(fn, remat=remat), fallback)
+  bridged.seeded = add_rng_seed_argument
+  return bridged

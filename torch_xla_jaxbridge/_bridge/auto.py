@@ -1,0 +1,225 @@
+"""Modules bridged one by one: by class (`bridge_modules`), or inside a region that fell back.
+
+A `ModuleBridge` runs one module's forward bridged (one trace shared by structurally identical
+modules). When the module cannot be bridged it records why (`fallback.Outcome`) and runs the
+module's own forward as plain LazyTensor code, with each of its submodules that holds parameters
+bridged in turn while it runs: the fallback is as narrow as the code that needs it, the way
+torch.compile breaks a graph and goes on.
+"""
+import dataclasses
+import functools
+import weakref
+from typing import Any, Iterable, Union
+
+import torch
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import captures, fallback
+from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
+from torch_xla_jaxbridge._core import modules
+
+_SHARED = weakref.WeakValueDictionary()  # (structure key, remat) -> Bridged of identical modules
+_BRIDGES = weakref.WeakKeyDictionary()  # module -> its ModuleBridge
+
+
+def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
+                   hooks: bool = True) -> Bridged:
+  """The bridged forward of `module`, shared with every structurally identical module (same
+  classes, shapes and attribute values) bridged under the same remat policy. With `hooks` the
+  module's hooks run inside the bridged code (`BridgeModule`, whose own hooks run outside);
+  without, its class forward runs directly (a module whose `forward` is the bridge's: its hooks
+  run around the bridged call).
+
+  Example:
+    >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> shared_bridged(a, None) is shared_bridged(b, None)
+    True
+  """
+  key = modules.structure_key(module)
+  found = _SHARED.get((key, remat, hooks)) if key is not None else None
+  if found is None:
+    found = Bridged(functools.partial(modules.module_forward, module, hooks=hooks), remat=remat,
+                    name=type(module).__name__)
+    if key is not None:
+      _SHARED[(key, remat, hooks)] = found
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How a module is bridged: its name in the report, its remat policy, whether it may fall
+  back to plain LazyTensor code."""
+  name: str
+  remat: Any = None
+  fallback: bool = True
+  hooks: bool = False  # the module's hooks run inside the bridged code (`BridgeModule`)
+
+
+class ModuleBridge:
+  """One module's forward, bridged or (when that fails) plain with its submodules bridged.
+
+  Example:
+    >>> layer = torch.nn.Linear(2, 2).to("xla")
+    >>> ModuleBridge(layer, Settings("layer"))(torch.ones(1, 2, device="xla")).shape
+    torch.Size([1, 2])
+  """
+
+  def __init__(self, module: torch.nn.Module, settings: Settings):
+    self.module = weakref.ref(module)
+    self.settings = settings
+    self.state = modules.StateWalk(module)
+    self.bridged = shared_bridged(module, settings.remat, settings.hooks)
+    self.outcome = fallback.Outcome(settings.name, "module", lambda: self.bridged.traces)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    module = self.module()
+    if not self.outcome.fell_back:
+      params, buffers, training = self.state.state()
+      if _any_traced((args, kwargs)):  # inside bridged code: errors belong to the caller
+        return self.bridged(params, buffers, training, args, kwargs)
+      try:
+        return self.bridged(params, buffers, training, args, kwargs)
+      except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
+        self.outcome.fall_back(e, self.settings.fallback)
+    with submodules_bridged(module, self.settings):
+      return type(module).forward(module, *args, **kwargs)
+
+
+def bridge_of(module: torch.nn.Module, settings: Settings) -> ModuleBridge:
+  """The module's `ModuleBridge`, made once."""
+  found = _BRIDGES.get(module)
+  if found is None or found.settings != settings:
+    found = _BRIDGES[module] = ModuleBridge(module, settings)
+  return found
+
+
+def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
+                    **kwargs: Any) -> Any:
+  """What `module.forward` is while the module is bridged (a `functools.partial` of this, which
+  copies and pickles with the module).
+
+  Example:
+    >>> layer = torch.nn.Linear(2, 2).to("xla")
+    >>> bridged_forward(layer, Settings("layer"), torch.ones(1, 2, device="xla")).shape
+    torch.Size([1, 2])
+  """
+  return bridge_of(module, settings)(*args, **kwargs)
+
+
+def _is_container(module):
+  """A module that is never called itself (`ModuleList`, `ModuleDict`): its children are."""
+  return type(module).forward is torch.nn.Module.forward
+
+
+def _has_parameters(module):
+  return next(module.parameters(), None) is not None
+
+
+def _bridgeable(module, prefix):
+  """`(path, module)` of the submodules to bridge one by one: each child holding parameters,
+  looking through containers."""
+  for name, child in module.named_children():
+    path = f"{prefix}.{name}" if prefix else name
+    if child is None or not _has_parameters(child) or "forward" in vars(child):
+      continue  # nothing to gain, or already bridged (or a forward of its own set on it)
+    if _is_container(child):
+      yield from _bridgeable(child, path)
+    else:
+      yield path, child
+
+
+class bridged_while:  # noqa: N801  (a context manager, used as a function)
+  """Inside the block, each `(module, settings)` of `pairs` runs bridged (its `forward` is
+  `bridged_forward`); after it, each module's own forward again.
+
+  Example:
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> with bridged_while([(layer, Settings("layer"))]):
+    ...   "forward" in vars(layer)
+    True
+    >>> "forward" in vars(layer)
+    False
+  """
+
+  def __init__(self, pairs: list):
+    self.pairs = pairs
+
+  def __enter__(self):
+    for module, settings in self.pairs:
+      module.forward = modules.BridgedForward(bridged_forward, module, settings)
+    return self
+
+  def __exit__(self, *exc):
+    for module, _ in self.pairs:
+      vars(module).pop("forward", None)
+    return False
+
+
+def submodules_bridged(module: torch.nn.Module, settings: Settings) -> bridged_while:
+  """While `module`'s own forward runs as plain code: its submodules with parameters bridged.
+
+  Example:
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> with submodules_bridged(net, Settings("net")):
+    ...   "forward" in vars(net[0])
+    True
+  """
+  return bridged_while([(child, dataclasses.replace(settings, name=f"{settings.name}.{path}"))
+                        for path, child in _bridgeable(module, "")])
+
+
+def captured_bridged(fn: Any, settings: Settings) -> bridged_while:
+  """While `fn` runs as plain code: the modules it reads from its closure, its globals or `self`
+  bridged (each falling back to its own submodules where it must).
+
+  Example:
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> with captured_bridged(lambda x: layer(x), Settings("f")):
+    ...   "forward" in vars(layer)
+    True
+  """
+  lifted = captures.collect(fn, settings.name, xla=False)
+  found = [(name, captures.read_capture(fn, where)) for where, name, kind, *_ in
+           (lifted.layout if lifted else ()) if kind == "module"]
+  return bridged_while([(module, dataclasses.replace(settings, name=f"{settings.name}.{name}"))
+                        for name, module in found
+                        if _has_parameters(module) and "forward" not in vars(module)])
+
+
+def bridge_modules(model: torch.nn.Module, classes: Iterable[Union[str, type]], *,
+                   remat: remat_policies.RematArg = None, fallback: bool = True,
+                   ) -> list[str]:
+  """Bridges every submodule of `model` (itself included) whose class is one of `classes`
+  (classes, or class names such as `"LlamaDecoderLayer"`), in place: each one's forward becomes
+  one graph node (structurally identical ones share one trace), while `model` stays the same
+  module (its parameters, `state_dict()`, hooks). A module that cannot be bridged runs as plain
+  LazyTensor code with its own submodules bridged (`fallback=False`: raise instead). Returns the
+  paths of the modules bridged. Like torchprime's `model.pure_modules`.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> jb.bridge_modules(net.to("xla"), ["Linear"])
+    ['0', '2']
+  """
+  wanted = [c for c in classes]
+  bad = [c for c in wanted if not isinstance(c, (str, type))]
+  if bad:
+    raise errors.BadArgumentError(
+        f"bridge_modules: classes holds {bad!r}; give module classes or their names, e.g. "
+        f"['LlamaDecoderLayer'].")
+  names = {c if isinstance(c, str) else c.__name__ for c in wanted}
+  remat_policies.policy_for(remat)  # validates `remat`
+  found = []
+  for path, module in model.named_modules():
+    if type(module).__name__ in names and "forward" not in vars(module):
+      settings = Settings(path or type(module).__name__, remat, fallback)
+      module.forward = modules.BridgedForward(bridged_forward, module, settings)
+      found.append(path)
+  if not found:
+    present = sorted({type(m).__name__ for m in model.modules()})
+    raise errors.BadArgumentError(
+        f"bridge_modules: no submodule of {type(model).__name__} is a {sorted(names)}; its "
+        f"classes are {present}.")
+  return found

@@ -1,0 +1,129 @@
+"""Falling back to plain LazyTensor code where torch code cannot be bridged, and the report of it.
+
+A bridged region (a `BridgeModule`, a module bridged by `bridge_modules`, a `jb.bridge`
+function, `jb.train_step`) whose torch code cannot be traced (data-dependent Python control
+flow, an op with no lowering, a tensor that cannot be lifted) runs as plain LazyTensor code
+instead, as plain torch_xla would run it, while the modules inside it are bridged where they can
+be (`auto`). Each fallback is said once (a `FallbackWarning` naming the region, the cause and the
+line) and kept in the report `jb.bridge_report()`. With `fallback=False` the error is raised.
+"""
+import dataclasses
+import threading
+import warnings
+import weakref
+from typing import Optional
+
+from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._core import diagnostics
+
+_LOCK = threading.Lock()
+_UNITS: "weakref.WeakValueDictionary[int, Outcome]" = weakref.WeakValueDictionary()
+_COUNTER = iter(range(1 << 62))
+
+
+def can_fall_back(exc: BaseException) -> bool:
+  """Whether `exc`, raised while a region was prepared or traced, means the region cannot be
+  bridged (and plain LazyTensor code may still run it): any of the package's errors but a
+  missing `rng_seed` or a `UsageError`, which are wrong calls in any mode.
+
+  Example:
+    >>> can_fall_back(errors.DataDependentError("if x.sum() > 0")), can_fall_back(KeyError())
+    (True, False)
+  """
+  return isinstance(exc, errors.BridgeError) and not isinstance(
+      exc, (errors.MissingSeedError, errors.UsageError))
+
+
+class Outcome:
+  """How one bridged region runs: `"bridged"`, or `"fallback"` with the cause and the line.
+
+  Example:
+    >>> outcome = Outcome("Encoder", "module")
+    >>> outcome.status, outcome.fell_back
+    ('bridged', False)
+  """
+
+  def __init__(self, name: str, kind: str, traces=lambda: 0):
+    self.name, self.kind, self.traces = name, kind, traces
+    self.status, self.reason, self.where = "bridged", "", ""
+    self.order = next(_COUNTER)
+    with _LOCK:
+      _UNITS[self.order] = self
+
+  @property
+  def fell_back(self) -> bool:
+    return self.status == "fallback"
+
+  def fall_back(self, exc: BaseException, fallback: bool) -> None:
+    """Records that the region cannot be bridged because of `exc` and says so once; re-raises
+    `exc` when `fallback` is off or when it is not a bridging error."""
+    if not fallback or not can_fall_back(exc):
+      raise exc
+    with _LOCK:
+      first = not self.fell_back
+      self.status = "fallback"
+      self.reason = f"{type(exc).__name__}: {_first_line(exc)}"
+      where = diagnostics.user_frame(exc.__cause__ or exc)  # the user's line, where known
+      self.where = "" if where.startswith("<") else where
+    if first:
+      warnings.warn(
+          f"{self.name} runs as plain LazyTensor code ({self.reason}); the modules inside it are "
+          f"bridged where they can be. jb.bridge_report() lists what runs bridged; "
+          f"fallback=False raises instead.", errors.FallbackWarning, stacklevel=4)
+
+
+def _first_line(exc):
+  text = str(exc).strip().splitlines()
+  line = text[0] if text else ""
+  return line if len(line) <= 300 else line[:297] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One bridged region in `BridgeReport`."""
+  name: str  # a module's path (or class), a function's name, or the train step's
+  kind: str  # "module", "function" or "step"
+  status: str  # "bridged" or "fallback"
+  reason: str  # the error that made it fall back
+  where: str  # the line that raised it
+  traces: int  # traces of its code so far (shared by structurally identical modules)
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeReport:
+  """Every live bridged region, in the order they were made; `str()` gives a table."""
+  rows: tuple
+
+  def fallbacks(self) -> list:
+    """The rows of the regions that fell back."""
+    return [r for r in self.rows if r.status == "fallback"]
+
+  def row(self, name: str) -> Optional[Row]:
+    """The row named `name`, or None."""
+    return next((r for r in self.rows if r.name == name), None)
+
+  def __str__(self):
+    width = max([len(r.name) for r in self.rows] + [6])
+    lines = [f"{'region':<{width}}  {'kind':<8}{'status':<10}{'traces':>6}  reason"]
+    for r in self.rows:
+      reason = f"{r.reason} at {r.where}" if r.where else r.reason
+      lines.append(f"{r.name:<{width}}  {r.kind:<8}{r.status:<10}{r.traces:>6}  {reason}")
+    return "\n".join(lines)
+
+
+def bridge_report() -> BridgeReport:
+  """What runs bridged and what fell back to plain LazyTensor code, why, and how many traces
+  each took: one row per live `BridgeModule`, module bridged by `jb.bridge_modules` (or bridged
+  because a region around it fell back), `jb.bridge` function and `jb.train_step`.
+
+  Example:
+    >>> import torch, torch_xla_jaxbridge as jb
+    >>> layer = jb.BridgeModule(torch.nn.Linear(2, 2).to("xla"))
+    >>> _ = layer(torch.ones(1, 2, device="xla"))
+    >>> jb.bridge_report().rows[-1].status
+    'bridged'
+  """
+  with _LOCK:
+    units = sorted(_UNITS.values(), key=lambda u: u.order)
+  return BridgeReport(tuple(Row(u.name, u.kind, u.status, u.reason, u.where, int(u.traces()))
+                            for u in units))

@@ -1,0 +1,37 @@
+"""What keeps the bridge right when several threads call it at once.
+
+Tracing is serialized: JAX traces torch code through one torchax environment whose random key
+is set per trace, so one trace runs at a time (`TRACING`, re-entrant for traces inside traces);
+calls that find their signature in the cache do not wait. One-time set-up (pytree registrations,
+the environment, kernels) runs once whichever thread comes first (`once`).
+"""
+import functools
+import threading
+from typing import Any, Callable
+
+TRACING = threading.RLock()
+
+
+def once(fn: Callable[[], Any]) -> Callable[[], Any]:
+  """`fn()` run once and its result kept; a caller that arrives while the first runs it waits.
+  `wrapper.done()` says whether it has run.
+
+  Example:
+    >>> calls = []
+    >>> make = once(lambda: calls.append(1) or len(calls))
+    >>> make(), make(), make.done()
+    (1, 1, True)
+  """
+  lock = threading.Lock()
+  result = []
+
+  @functools.wraps(fn)
+  def wrapper():
+    if not result:
+      with lock:
+        if not result:
+          result.append(fn())
+    return result[0]
+
+  wrapper.done = lambda: bool(result)
+  return wrapper

@@ -8,6 +8,7 @@ import torch_xla
 
 import models
 import torch_xla_jaxbridge as jb
+from torch_xla_jaxbridge._bridge import auto
 from parity import check_module, rel_err
 
 
@@ -252,7 +253,7 @@ def masks_by_value(x):
 ])
 def test_data_dependent_control_flow_names_the_line(dev, fn, line, hint):
   with pytest.raises(jb.errors.DataDependentError) as caught:
-    jb.bridge(fn)(torch.randn(5, device=dev))
+    jb.bridge(fn, fallback=False)(torch.randn(5, device=dev))
   message = str(caught.value)
   assert message.startswith(f"{fn.__name__}: data-dependent Python control flow at ")
   assert "test_bridging.py:" in message and line in message
@@ -270,7 +271,7 @@ def test_leak_to_a_global_list_is_reported_at_the_call(dev):
 
   with pytest.raises(jb.errors.LeakedTensorError, match=r"leaky_fwd: a tensor computed inside "
                      r"the traced function was kept outside it, in test_bridging.LEAKED"):
-    jb.bridge(leaky)(torch.ones(3, device=dev))
+    jb.bridge(leaky, fallback=False)(torch.ones(3, device=dev))
   LEAKED.clear()
 
 
@@ -283,11 +284,11 @@ def test_leak_to_a_module_attribute_is_reported_at_the_call(dev):
 
   with pytest.raises(jb.errors.LeakedTensorError, match=r"Stash_fwd: .* kept outside it, in "
                      r"Stash.last\. .*return it as an output"):
-    jb.BridgeModule(Stash())(torch.ones(3, device=dev))
+    jb.BridgeModule(Stash(), fallback=False)(torch.ones(3, device=dev))
 
 
 def test_mutating_an_input_that_requires_grad_is_refused(dev):
-  @jb.bridge
+  @jb.bridge(fallback=False)
   def scale_in_place(x):
     x.mul_(2)
     return x.sum()
@@ -303,8 +304,8 @@ def test_unhashable_static_argument_is_named(dev):
 
   with pytest.raises(jb.errors.BadArgumentError, match=r"scale: kwargs\['cfg'\]\['opts'\] is a "
                      r"Config, which is not hashable, so it cannot key the trace cache"):
-    jb.bridge(lambda x, cfg: x * 2, name="scale")(torch.ones(2, device=dev),
-                                                  cfg={"opts": Config()})
+    jb.bridge(lambda x, cfg: x * 2, name="scale", fallback=False)(torch.ones(2, device=dev),
+                                                                  cfg={"opts": Config()})
 
 
 def test_numpy_static_argument_keys_by_value(dev):
@@ -354,7 +355,7 @@ def test_module_state_is_read_fresh_after_structure_changes(dev):
   x = torch.randn(2, 4, device=dev)
 
   def expect_same():
-    params, buffers, training = bridged._state.state()
+    params, buffers, training = auto.bridge_of(model, bridged._settings).state.state()
     places = {f"{prefix}.{k}".lstrip("."): v for prefix, m in model.named_modules()
               for k, v in m._parameters.items()}
     assert list(params) == list(places) and all(params[n] is p for n, p in places.items())
@@ -367,7 +368,7 @@ def test_module_state_is_read_fresh_after_structure_changes(dev):
   model[1] = torch.nn.Linear(4, 4).to(dev)  # a replaced submodule
   expect_same()
   model[0].register_buffer("scale", torch.ones(4, device=dev))  # a new buffer
-  assert "0.scale" in bridged._state.state()[1]
+  assert "0.scale" in auto.bridge_of(model, bridged._settings).state.state()[1]
   model[2].eval()
   expect_same()
   reference = copy.deepcopy(model)

@@ -183,13 +183,13 @@ def test_captured_cpu_tensor_is_named(dev):
   table = torch.ones(3)
   with pytest.raises(jb.errors.BadArgumentError,
                      match=r"lookup reads `table` \(a cpu tensor of shape \(3,\)\).*\.to\('xla'\)"):
-    jb.bridge(lambda x: x * table, name="lookup")(torch.ones(3, device=dev))
+    jb.bridge(lambda x: x * table, name="lookup", fallback=False)(torch.ones(3, device=dev))
 
 
 def test_tensor_reached_through_a_list_is_refused_with_its_shape_line_and_fix(dev):
   held = [torch.ones(5, device=dev)]
 
-  @jb.bridge
+  @jb.bridge(fallback=False)
   def uses_list(x):
     return x * held[0]
 
@@ -210,4 +210,4 @@ def test_assigning_a_captured_tensor_is_refused(dev):
 
   with pytest.raises(jb.errors.MutationError, match=r"accumulate: .* assigned a new value to the "
                      r"captured `total`.*`total.copy_\(new\)`"):
-    jb.bridge(accumulate)(torch.ones(3, device=dev))
+    jb.bridge(accumulate, fallback=False)(torch.ones(3, device=dev))

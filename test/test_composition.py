@@ -49,7 +49,7 @@ def test_outside_tensors_inside_bridged_code_are_named(dev):
   outside = torch.ones(3, device="xla")
   holder = [outside]  # a list in the closure is not lifted: its tensor stays outside the trace
 
-  @jb.bridge
+  @jb.bridge(fallback=False)
   def f(x):
     return jb.call_jax(jnp.add, (x, holder[0]))
 
@@ -57,7 +57,7 @@ def test_outside_tensors_inside_bridged_code_are_named(dev):
     f(torch.ones(3, device="xla"))
   layers = [Block().to("xla") for _ in range(2)]
 
-  @jb.bridge
+  @jb.bridge(fallback=False)
   def g(h):
     return jb.scan_layers(layers, h)
 

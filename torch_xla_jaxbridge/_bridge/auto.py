@@ -165,7 +165,8 @@ def submodules_bridged(module: torch.nn.Module, settings: Settings) -> bridged_w
     ...   "forward" in vars(net[0])
     True
   """
-  return bridged_while([(child, dataclasses.replace(settings, name=f"{settings.name}.{path}"))
+  return bridged_while([(child, dataclasses.replace(settings, name=f"{settings.name}.{path}",
+                                                    hooks=False))
                         for path, child in _bridgeable(module, "")])
 
 
@@ -182,7 +183,8 @@ def captured_bridged(fn: Any, settings: Settings) -> bridged_while:
   lifted = captures.collect(fn, settings.name, xla=False)
   found = [(name, captures.read_capture(fn, where)) for where, name, kind, *_ in
            (lifted.layout if lifted else ()) if kind == "module"]
-  return bridged_while([(module, dataclasses.replace(settings, name=f"{settings.name}.{name}"))
+  return bridged_while([(module, dataclasses.replace(settings, name=f"{settings.name}.{name}",
+                                                     hooks=False))
                         for name, module in found
                         if _has_parameters(module) and "forward" not in vars(module)])
 

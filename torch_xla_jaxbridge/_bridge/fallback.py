@@ -99,8 +99,8 @@ class BridgeReport:
     return [r for r in self.rows if r.status == "fallback"]
 
   def row(self, name: str) -> Optional[Row]:
-    """The row named `name`, or None."""
-    return next((r for r in self.rows if r.name == name), None)
+    """The newest row named `name`, or None."""
+    return next((r for r in reversed(self.rows) if r.name == name), None)
 
   def __str__(self):
     width = max([len(r.name) for r in self.rows] + [6])

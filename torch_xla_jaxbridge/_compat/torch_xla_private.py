@@ -5,7 +5,7 @@ proto, a tensor's sharding proto, or replacing a tensor's data. Each function sa
 its entry point changes; `test/test_compat.py` checks each one directly.
 """
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -164,10 +164,11 @@ def pending_graph(tensors: Sequence[torch.Tensor]) -> tuple:
   return proto, list(ids), [tuple(getattr(v, "shape", ())) for v in values]
 
 
-def tensor_state(tensor: torch.Tensor) -> tuple:
+def tensor_state(tensor: torch.Tensor) -> Optional[tuple]:
   """`(tensor_id, alias_id, pending)` of an XLA tensor: its torch_xla id, the id of the device data
   an in-place update of it replaces (a sync aliases that input to this output), and whether it
-  holds a graph still to run. Read from torch_xla's debug text; `test_compat` checks the fields.
+  holds a graph still to run; None for a tensor on the device that torch_xla does not hold. Read
+  from torch_xla's debug text; `test_compat` checks the fields.
 
   Example:
     >>> import torch_xla
@@ -178,6 +179,8 @@ def tensor_state(tensor: torch.Tensor) -> tuple:
     True
   """
   info = _xlac()._get_xla_tensor_debug_info(tensor)
+  if info.startswith("Not a XLATensor"):  # on the XLA device only by name (a wrapper's view)
+    return None
   alias = re.search(r"AliasID: (-?\d+)", info)
   if alias is None or "XLAData:" not in info:
     raise RuntimeError(f"torch_xla's tensor debug info changed: {info!r}")

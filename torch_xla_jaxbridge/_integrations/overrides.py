@@ -7,6 +7,7 @@ the active overrides are a trace key, so a trace is never reused under other ove
 """
 import contextlib
 import dataclasses
+import math
 import threading
 import weakref
 from typing import Callable, Iterator, Mapping
@@ -255,8 +256,51 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
   return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
 
 
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+  """`F.scaled_dot_product_attention` in its math form, as torch computes it: a query whose
+  every key is masked (the padding rows of a left-padded batch) gets zeros, as from torch's
+  `_safe_softmax`, where torchax's form gives NaN that then spreads through the whole row.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> q = torch.ones(1, 1, 2, 4, device="xla")
+    >>> mask = torch.tensor([[False, False], [True, True]], device="xla")
+    >>> out = bridge(torch.nn.functional.scaled_dot_product_attention)(q, q, q, attn_mask=mask)
+    >>> out[0, 0, :, 0].cpu().tolist()
+    [0.0, 1.0]
+  """
+  length, keys = query.shape[-2], key.shape[-2]
+  scores = query @ key.transpose(-2, -1)
+  if enable_gqa:
+    repeat = query.shape[-3] // key.shape[-3]
+    key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    scores = query @ key.transpose(-2, -1)
+  scores = scores * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
+  allowed = None
+  if is_causal:
+    allowed = torch.ones(length, keys, dtype=torch.bool, device=query.device).tril()
+  if attn_mask is not None and attn_mask.dtype == torch.bool:
+    allowed = attn_mask if allowed is None else allowed & attn_mask
+  elif attn_mask is not None:
+    scores = scores + attn_mask
+  if allowed is not None:
+    scores = scores.masked_fill(~allowed, float("-inf"))
+  dead = None
+  if attn_mask is not None:  # a query with no key to attend to gets zeros; its softmax is kept
+    dead = torch.isneginf(scores).all(-1, keepdim=True)  # finite (for the backward) and its
+    scores = torch.where(dead, 0.0, scores)                # output zeroed after the matmul
+  weights = torch.softmax(scores, dim=-1)
+  if dropout_p > 0:
+    weights = torch.dropout(weights, dropout_p, train=True)
+  out = weights @ value
+  return out if dead is None else torch.where(dead, 0.0, out)
+
+
 for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
   tracing.register_op_override(_op, batch_norm)
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
+                             scaled_dot_product_attention)
 tracing.register_trace_context(_Routing)
 tracing.register_trace_key("op overrides", active)

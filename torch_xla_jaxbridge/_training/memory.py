@@ -41,9 +41,9 @@ def _xla_tensors(objects):
     if isinstance(obj, torch.Tensor) and _on_xla(obj):
       for tensor in (obj, obj.grad if obj.is_leaf else None):
         if tensor is not None:
-          tid, alias, pending = torch_xla_private.tensor_state(tensor)
-          if pending:
-            found[tid] = (tensor, alias)
+          state = torch_xla_private.tensor_state(tensor)
+          if state is not None and state[2]:  # pending
+            found[state[0]] = (tensor, state[1])
   return found
 
 

@@ -1,0 +1,105 @@
+"""Hugging Face models beyond the zoo (tiny random configs, no downloads), called as training
+scripts call them: padded batches with their attention masks, in training mode, whole-model
+`jb.train_step` against eager CPU AdamW. test_heldout_models.py runs them."""
+import copy
+import warnings
+
+import torch
+import torch_xla
+import transformers as tf
+
+import torch_xla_jaxbridge as jb
+
+VOCAB, BATCH, LENGTH, TARGET = 64, 2, 10, 6
+_NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+
+
+def _bart(layerdrop=0.0):
+  return tf.BartForConditionalGeneration(tf.BartConfig(
+      vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+      decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+      max_position_embeddings=64, encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop,
+      **_NO_DROPOUT))
+
+
+def _opt(layerdrop=0.0):
+  return tf.OPTForCausalLM(tf.OPTConfig(
+      vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
+      max_position_embeddings=64, word_embed_proj_dim=32, layerdrop=layerdrop, dropout=0.0,
+      attention_dropout=0.0))
+
+
+def _qwen3(layerdrop=0.0):
+  return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
+
+
+def _roberta(layerdrop=0.0):
+  return tf.RobertaForSequenceClassification(tf.RobertaConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=1))
+
+
+def _t5(layerdrop=0.0):
+  return tf.T5ForConditionalGeneration(tf.T5Config(
+      vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+      decoder_start_token_id=0, dropout_rate=0.0))
+
+
+# name -> (model maker, what the labels are)
+MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "qwen3": (_qwen3, "lm"),
+          "roberta": (_roberta, "class"), "t5": (_t5, "seq2seq")}
+
+
+def batch(name, padding="right"):
+  """A padded batch as a data collator gives it: ids, attention mask (the first row padded by 3
+  on `padding`'s side), labels."""
+  gen = torch.Generator().manual_seed(7)
+  ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=gen)
+  mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+  pad = slice(0, 3) if padding == "left" else slice(LENGTH - 3, LENGTH)
+  mask[0, pad] = 0
+  ids[0, pad] = 1
+  kind = MODELS[name][1]
+  labels = (torch.randint(3, VOCAB, (BATCH, TARGET), generator=gen) if kind == "seq2seq" else
+            torch.tensor([0, 2]) if kind == "class" else ids.masked_fill(mask == 0, -100))
+  return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def build(name, layerdrop=0.0):
+  """The eager CPU model in training mode (seeded) and its XLA copy, weights tied again."""
+  torch.manual_seed(0)
+  model = MODELS[name][0](layerdrop).train()
+  moved = copy.deepcopy(model).to("xla")
+  moved.tie_weights()  # moving to XLA makes new parameters: tie them again, as on CPU
+  return model, moved
+
+
+def train_steps(name, steps=2, padding="right", layerdrop=0.0, classes=None):
+  """`(eager losses, losses, eager grad norms, grad norms)` of `steps` clipped AdamW steps:
+  torch's on CPU against `jb.train_step` of the whole model (after `jb.bridge_modules(model,
+  classes)` when given), called with the padded batch."""
+  model, moved = build(name, layerdrop)
+  if classes:
+    jb.bridge_modules(moved, classes)
+  inputs = batch(name, padding)
+  eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+  opt = jb.optim.AdamW(moved.parameters(), lr=1e-3, max_grad_norm=0.5)
+  step = jb.train_step(lambda b: moved(**b).loss, opt)
+  on_device = {k: v.to("xla") for k, v in inputs.items()}
+  eager, eager_norms, losses, norms = [], [], [], []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    for _ in range(steps):
+      eager_opt.zero_grad()
+      loss = model(**inputs).loss
+      loss.backward()
+      eager_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+      eager_opt.step()
+      eager.append(loss.item())
+      losses.append(step(on_device))
+      norms.append(opt.grad_norm)
+      torch_xla.sync()
+  return eager, [l.item() for l in losses], eager_norms, [n.item() for n in norms]

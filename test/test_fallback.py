@@ -1,0 +1,268 @@
+"""Code that cannot be bridged runs as plain LazyTensor code, narrowly and said once, with the
+values eager CPU torch gives; strict mode raises; trace signals; any output structure; layers
+compared by attribute values; several threads at once."""
+import collections
+import copy
+import dataclasses
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_jaxbridge as jb
+
+
+class Block(torch.nn.Module):
+  def __init__(self, width=8):
+    super().__init__()
+    self.inner = torch.nn.Linear(width, width)
+
+  def forward(self, x):
+    return torch.tanh(self.inner(x))
+
+
+class CoinModel(torch.nn.Module):
+  """Two blocks around a LayerDrop-like Python branch on a random draw (never taken here)."""
+
+  def __init__(self):
+    super().__init__()
+    torch.manual_seed(0)
+    self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+    self.head = torch.nn.Linear(8, 1)
+
+  def forward(self, x):
+    for block in self.blocks:
+      if torch.rand([]) < 0.0:  # data-dependent: cannot be traced
+        continue
+      x = block(x)
+    return self.head(x).squeeze(-1)
+
+
+def eager_and_xla():
+  model = CoinModel()
+  return model, copy.deepcopy(model).to("xla")
+
+
+def test_a_function_that_cannot_be_bridged_runs_as_lazy_tensor_code_said_once(dev):
+  def branchy(x):
+    if x.sum() > 0:
+      return x * 2
+    return x - 1
+
+  f = jb.bridge(branchy)
+  x = torch.randn(5)
+  with pytest.warns(jb.errors.FallbackWarning, match=r"branchy runs as plain LazyTensor code "
+                    r"\(DataDependentError: .*if x.sum\(\) > 0"):
+    out = f(x.to(dev))
+  torch.testing.assert_close(out.cpu(), branchy(x))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # said once
+    torch.testing.assert_close(f((-x.abs()).to(dev)).cpu(), branchy(-x.abs()))
+  row = jb.bridge_report().row("branchy")
+  assert row.status == "fallback" and row.kind == "function" and row.traces == 1
+  assert row.where.endswith("if x.sum() > 0:") and "test_fallback.py" in row.where
+
+
+def test_strict_mode_raises_the_error(dev):
+  f = jb.bridge(lambda x: x * 2 if x.sum() > 0 else x, fallback=False)
+  with pytest.raises(jb.errors.DataDependentError, match="data-dependent Python control flow"):
+    f(torch.ones(3, device=dev))
+  layer = jb.BridgeModule(CoinModel().to(dev), fallback=False)
+  with pytest.raises(jb.errors.DataDependentError, match=r"torch.rand\(\[\]\) < 0.0"):
+    layer(torch.ones(2, 8, device=dev))
+
+
+def test_a_bridge_module_falls_back_to_its_bridged_submodules(dev):
+  model, moved = eager_and_xla()
+  wrapped = jb.BridgeModule(moved)
+  x = torch.randn(4, 8)
+  with pytest.warns(jb.errors.FallbackWarning, match="CoinModel runs as plain LazyTensor code"):
+    out = wrapped(x.to(dev))
+  out.sum().backward()
+  expected = model(x)
+  expected.sum().backward()
+  torch.testing.assert_close(out.cpu(), expected)
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), q.grad)
+  rows = {r.name: r.status for r in jb.bridge_report().rows if r.name.startswith("CoinModel")}
+  assert rows == {"CoinModel": "fallback", "CoinModel.blocks.0": "bridged",
+                  "CoinModel.blocks.1": "bridged", "CoinModel.head": "bridged"}
+  traces = jb.bridge_report().row("CoinModel").traces
+  wrapped(x.to(dev))
+  assert jb.bridge_report().row("CoinModel").traces == traces  # one failed try, not one a call
+
+
+def test_the_train_step_falls_back_and_trains_as_eager_adamw(dev):
+  model, moved = eager_and_xla()
+  ref = torch.optim.AdamW(model.parameters(), lr=0.1)
+  opt = jb.optim.AdamW(moved.parameters(), lr=0.1)
+  step = jb.train_step(lambda x, y: ((moved(x) - y) ** 2).mean(), opt)
+  gen = torch.Generator().manual_seed(1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    for _ in range(3):
+      x, y = torch.randn(4, 8, generator=gen), torch.randn(4, generator=gen)
+      ref.zero_grad()
+      expected = ((model(x) - y) ** 2).mean()
+      expected.backward()
+      ref.step()
+      loss = step(x.to(dev), y.to(dev))
+      torch_xla.sync()
+      assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    assert p.grad is None  # the step's gradients never reach p.grad
+    assert float(opt.state[p]["step"]) == 3  # the failed one-node try advanced nothing
+  assert [r.kind for r in jb.bridge_report().fallbacks() if r.name.startswith("train_step")] == [
+      "step", "module"]  # the step, then the model it reads; its blocks and head are bridged
+
+
+def test_bridge_modules_by_class_keeps_hooks_single_and_values(dev):
+  model, moved = eager_and_xla()
+  assert jb.bridge_modules(moved, [Block, "Linear"]) == ["blocks.0", "blocks.0.inner",
+                                                          "blocks.1", "blocks.1.inner", "head"]
+  calls = []
+  moved.blocks[0].register_forward_hook(lambda m, args, out: calls.append(out.shape) or out * 2)
+  model.blocks[0].register_forward_hook(lambda m, args, out: out * 2)
+  x = torch.randn(4, 8)
+  out = moved(x.to(dev))
+  torch.testing.assert_close(out.cpu(), model(x))
+  assert calls == [torch.Size([4, 8])]  # once, around the bridged call
+  with pytest.raises(jb.errors.BadArgumentError, match="no submodule of CoinModel is a "
+                     r"\['Conv2d'\]; its classes are \['Block', 'CoinModel', 'Linear', "):
+    jb.bridge_modules(moved, ["Conv2d"])
+
+
+def test_trace_signals_answer_as_under_torch_compile_only_in_the_tracing_thread(dev):
+  seen, other = [], []
+  ready, go = threading.Event(), threading.Event()
+
+  def look(x):
+    seen.append((torch.compiler.is_compiling(), torch._dynamo.is_compiling()))
+    ready.set()
+    go.wait(5)
+    return x + 1
+
+  def elsewhere():
+    ready.wait(5)
+    other.append(torch.compiler.is_compiling())
+    go.set()
+
+  watcher = threading.Thread(target=elsewhere)
+  watcher.start()
+  jb.bridge(look)(torch.ones(2, device=dev))
+  watcher.join()
+  assert seen == [(True, True)] and other == [False]
+  assert not torch.compiler.is_compiling()
+  with pytest.raises(jb.errors.DataDependentError):
+    jb.bridge(lambda x: x if x.sum() > 0 else -x, fallback=False)(torch.ones(2, device=dev))
+  assert not torch.compiler.is_compiling()  # restored after an error too
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class Result:
+  value: torch.Tensor
+  extra: object = None
+
+
+torch.utils._pytree.register_dataclass(Result)
+
+
+def nested(x):
+  y = x * 2
+  return {"a": [{"b": y, "c": (y + 1, None)}, y.sum()], "n": None, "k": 3, "s": "text",
+          "p": Pair(y, x > 0), "r": Result(y - 1, "kept")}
+
+
+def test_any_output_structure_comes_back_as_eager(dev):
+  x = torch.randn(3, requires_grad=True)
+  expected = nested(x)
+  xla_x = x.detach().to(dev).requires_grad_()
+  out = jb.bridge(nested, fallback=False)(xla_x)
+  assert jax_structure(out) == jax_structure(expected)
+  assert out["k"] == 3 and out["s"] == "text" and out["r"].extra == "kept"
+  assert isinstance(out["p"], Pair) and out["p"].right.dtype == torch.bool
+  total = lambda o: o["a"][0]["c"][0].sum() + o["p"].left.sum() + o["r"].value.sum()  # noqa
+  total(out).backward()
+  total(expected).backward()
+  torch.testing.assert_close(xla_x.grad.cpu(), x.grad)
+
+
+def jax_structure(tree):
+  return torch.utils._pytree.tree_structure(tree)
+
+
+@pytest.mark.parametrize("config", [
+    lambda: types.SimpleNamespace(scale=2.0, names=["a"]),
+    lambda: {"scale": 2.0, "names": ["a"]},
+    lambda: Options(2.0, ("a",))])
+def test_layers_with_equal_config_objects_share_one_trace(dev, config):
+  layers = []
+  for _ in range(3):
+    layer = Block().to(dev)
+    layer.config = config()  # a new object each, equal by value
+    layers.append(jb.BridgeModule(layer, fallback=False))
+  x = torch.ones(2, 8, device=dev, requires_grad=True)  # as the later layers' inputs
+  for layer in layers:
+    x = layer(x)
+  assert jb.cache_info().misses == 1
+  different = Block().to(dev)
+  different.config = config()
+  setattr(different.config, "scale", 3.0) if not isinstance(different.config, dict) else (
+      different.config.update(scale=3.0))
+  jb.BridgeModule(different, fallback=False)(x)
+  assert jb.cache_info().misses == 2  # not merged with the others
+
+
+@dataclasses.dataclass
+class Options:
+  scale: float
+  names: tuple
+
+
+def test_one_function_from_four_threads(dev):
+  w = torch.randn(8, 8)
+  w_xla = w.to(dev).requires_grad_()
+
+  def f(x):
+    return torch.tanh(x @ w_xla).sum()
+
+  bridged = jb.bridge(f, fallback=False)
+  failures, results = [], {}
+
+  def work(i):
+    try:
+      for k in range(20):
+        x = torch.full((2 + i % 2, 8), float(i + k) / 10)
+        out = bridged(x.to(dev))
+        grad, = torch.autograd.grad(out, w_xla)
+        results[(i, k)] = (x, out, grad)
+    except Exception as e:  # noqa: BLE001
+      failures.append(repr(e))
+
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(300)
+  torch_xla.sync()
+  assert failures == [] and len(results) == 80
+  w_cpu = w.clone().requires_grad_()
+  for x, out, grad in results.values():
+    expected = torch.tanh(x @ w_cpu).sum()
+    torch.testing.assert_close(out.cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.cpu(), torch.autograd.grad(expected, w_cpu)[0],
+                               rtol=1e-5, atol=1e-5)
+  assert jb.cache_info().misses == 4  # two shapes, forward and backward: not one per thread
+
+
+def test_call_jax_says_what_it_needs(dev):
+  with pytest.raises(jb.errors.BadArgumentError, match=r"call_jax: jax_func is a int \(42\); "
+                     r"expected the JAX function"):
+    jb.call_jax(42, (torch.ones(1, device=dev),))

@@ -20,16 +20,18 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torchax, torch_xla, jax; print('stack:', 'torchax', torchax.__version__, 'jax', jax.__version__)"
 	touch $@
 
-# the test suite and every docstring example of the package, in two processes: XLA:CPU keeps
+# the test suite and every docstring example of the package, in three processes: XLA:CPU keeps
 # every compiled program mapped, and one process compiling the whole suite ran past the kernel's
 # memory-map limit (vm.max_map_count 65530: "LLVM compilation error: Cannot allocate memory", then
 # a crash)
-TESTS_FIRST := $(sort $(wildcard test/test_[a-m]*.py))
-TESTS_SECOND := $(sort $(wildcard test/test_[n-z]*.py))
+TESTS_FIRST := $(sort $(wildcard test/test_[a-e]*.py))
+TESTS_SECOND := $(sort $(wildcard test/test_[f-o]*.py))
+TESTS_THIRD := $(sort $(wildcard test/test_[p-z]*.py))
 test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow" $(TESTS_FIRST)
-	$(PY) -m pytest -q -m "not slow" $(TESTS_SECOND) --doctest-modules torch_xla_jaxbridge
+	$(PY) -m pytest -q -m "not slow" $(TESTS_SECOND)
+	$(PY) -m pytest -q -m "not slow" $(TESTS_THIRD) --doctest-modules torch_xla_jaxbridge
 
 slow: $(STAMP)
 	$(PY) -m pytest -q -m slow test

@@ -16,8 +16,12 @@ def step_row():
   return next(r for r in reversed(jb.bridge_report().rows) if r.kind == "step")
 
 
-@pytest.mark.parametrize("name, padding", [("roberta", "right"), ("qwen3", "right"),
-                                           ("qwen3", "left"), ("t5", "right")])
+# Each model compiles its own programs (a few seconds each on 2 cores, and memory maps the test
+# process keeps): one per kind in `make test`, the rest under `make slow`.
+@pytest.mark.parametrize("name, padding", [
+    ("qwen3", "left"), pytest.param("roberta", "right", marks=pytest.mark.slow),
+    pytest.param("qwen3", "right", marks=pytest.mark.slow),
+    pytest.param("t5", "right", marks=pytest.mark.slow)])
 def test_the_whole_step_stays_one_node_with_an_attention_mask(name, padding):
   """transformers asks whether it is being traced before reading the mask's values: inside
   bridged code it is told yes, as under torch.compile, so the step needs no fallback."""
@@ -27,7 +31,7 @@ def test_the_whole_step_stays_one_node_with_an_attention_mask(name, padding):
   assert step_row().status == "bridged"
 
 
-@pytest.mark.parametrize("name", ["bart", "opt"])
+@pytest.mark.parametrize("name", ["bart", pytest.param("opt", marks=pytest.mark.slow)])
 def test_layerdrop_falls_back_around_the_layers_and_keeps_the_values(name):
   """BART and OPT draw a random number per layer to steer Python (LayerDrop; with probability 0
   the draw still happens): the step runs as LazyTensor glue around bridged layers."""
@@ -40,6 +44,7 @@ def test_layerdrop_falls_back_around_the_layers_and_keeps_the_values(name):
   assert layers and all(r.status == "bridged" for r in layers), str(report)
 
 
+@pytest.mark.slow
 def test_layerdrop_with_a_probability_trains():
   model, moved = heldout.build("bart", layerdrop=0.5)
   opt = jb.optim.AdamW(moved.parameters(), lr=1e-2)
@@ -67,7 +72,8 @@ def test_t5_blocks_return_their_position_bias_tuples_through_bridge_module():
     torch.testing.assert_close(p.grad.cpu(), grads[n], rtol=1e-4, atol=1e-6)
 
 
-def test_a_model_bridged_by_class_name_matches_eager():
+@pytest.mark.slow
+def test_a_model_bridged_by_class_name_in_the_one_node_step_matches_eager():
   eager, losses, eager_norms, norms = heldout.train_steps("qwen3", classes=["Qwen3DecoderLayer"])
   assert losses == pytest.approx(eager, rel=1e-5)
   assert norms == pytest.approx(eager_norms, rel=1e-4)

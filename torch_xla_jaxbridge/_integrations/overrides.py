@@ -137,7 +137,7 @@ def _dispatch(dispatch, func, types, args, kwargs):
   outputs = fn(*_arrays(tuple(args)), **_arrays(dict(kwargs or {})))
   for leaf in jax.tree.leaves(outputs):
     if not isinstance(leaf, jax.Array):
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"override_ops: the override of {_name(func)} ({_name(fn)}) returned a "
           f"{type(leaf).__name__}; an override returns JAX arrays (or a pytree of them).")
   return tracing.to_torchax(outputs)

@@ -45,7 +45,7 @@ class RuleOptimizer(TorchLayout):
     self.max_grad_norm = max_grad_norm
     self.grad_norm: Optional[torch.Tensor] = None
     self._update: Optional[Callable[[], Any]] = None  # `step_running`'s, for one step()
-    self._pending: list = []  # `prepare`'s (param, new state or None, step), for `take`
+    self._pending = []
 
   @torch.no_grad()
   def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -127,7 +127,8 @@ class RuleOptimizer(TorchLayout):
     scalars: list[float] = []
     options: list[dict] = []
     names: tuple = ()
-    pending = self._pending = []
+    pending: list = []
+    self._pending = pending
     for group in self.param_groups:
       group_options = rule.options(group)
       for p in group["params"]:

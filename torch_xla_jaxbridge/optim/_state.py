@@ -11,6 +11,7 @@ class TorchLayout(torch.optim.Optimizer):
   place (written over their old buffers), so `state_dict()` loads into torch's optimizers and
   back and holders of it see later steps. Subclasses set `rule`."""
   rule: Rule
+  _pending: list  # `prepare`'s (parameter, its new state or None, its step), for `take`
 
   def __setstate__(self, state: dict) -> None:
     super().__setstate__(state)

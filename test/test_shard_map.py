@@ -108,7 +108,7 @@ def test_without_spmd_it_says_to_enable_it():
   per_shard = jb.spmd.shard_map(lambda t: t * 2, (("fsdp", None),), ("fsdp", None), mesh)
   with pytest.raises(errors.BadArgumentError, match=r"SPMD is not enabled. Call "
                                                     r"torch_xla.runtime.use_spmd\(\)"):
-    jb.bridge(per_shard)(torch.ones(2, 2, device="xla"))
+    jb.bridge(per_shard)(torch.ones(2, 2, device="xla"))  # no fallback: a misuse
   with pytest.raises(errors.BadArgumentError, match=r"SPMD is not enabled"):
     jb.call_jax(per_shard, (torch.ones(2, 2, device="xla"),))
 

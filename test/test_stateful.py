@@ -59,7 +59,7 @@ def test_an_object_nested_too_deep_is_named(dev):
   with pytest.raises(jb.errors.BadArgumentError, match=r"argument args\[1\]: a SimpleNamespace "
                      r"holding a SimpleNamespace that nests objects more than 8 deep \(or refers "
                      r"to itself\).*use_cache=False"):
-    jb.bridge(lambda x, n: x * n.value)(torch.ones(1, device=dev), node)
+    jb.bridge(lambda x, n: x * n.value, fallback=False)(torch.ones(1, device=dev), node)
 
 
 def test_a_tensor_held_twice_stays_one_tensor_in_the_trace(dev):

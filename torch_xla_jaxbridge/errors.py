@@ -2,7 +2,10 @@
 
 
 class BridgeError(Exception):
-  """Base class of the errors raised by torch_xla_jaxbridge."""
+  """Base class of the errors raised by torch_xla_jaxbridge. `fallback_helps` says whether running
+  the region as plain LazyTensor code instead could help (false for a misuse of a feature that
+  exists only in bridged code)."""
+  fallback_helps = True
 
 
 class BadArgumentError(BridgeError, TypeError):
@@ -41,7 +44,20 @@ class ControlFlowError(BridgeError):
 
 class UsageError(BadArgumentError):
   """A call the package refuses whatever the mode: no fallback to plain LazyTensor code helps
-  (a training step whose loss is not a scalar, an optimizer `train_step` cannot run)."""
+  (a training step whose loss is not a scalar, an optimizer `train_step` cannot run, a bad
+  sharding spec)."""
+  fallback_helps = False
+
+
+def misuse(error: BridgeError) -> BridgeError:
+  """`error`, marked as one no fallback helps (see `BridgeError.fallback_helps`).
+
+  Example:
+    >>> misuse(MutationError("shard_map: ...")).fallback_helps
+    False
+  """
+  error.fallback_helps = False
+  return error
 
 
 class FallbackWarning(UserWarning):

@@ -30,8 +30,8 @@ def can_fall_back(exc: BaseException) -> bool:
     >>> can_fall_back(errors.DataDependentError("if x.sum() > 0")), can_fall_back(KeyError())
     (True, False)
   """
-  return isinstance(exc, errors.BridgeError) and not isinstance(
-      exc, (errors.MissingSeedError, errors.UsageError))
+  return isinstance(exc, errors.BridgeError) and exc.fallback_helps and not isinstance(
+      exc, errors.MissingSeedError)
 
 
 class Outcome:

@@ -70,7 +70,7 @@ def shard_map(fn: Callable, in_specs: Any, out_specs: Any, mesh: Any = None, *,
     torch_code = any(tracing.is_traced(leaf) for leaf in leaves)
     for leaf in leaves:
       if isinstance(leaf, torch.Tensor) and not tracing.is_traced(leaf):
-        raise errors.BadArgumentError(
+        raise errors.UsageError(
             f"{where}: called on a {leaf.device} tensor of shape {tuple(leaf.shape)} outside "
             f"traced code. shard_map runs inside bridged code (jb.bridge, jb.BridgeModule, "
             f"jb.StackedLayers, ...) or inside a JAX function given to jb.call_jax: call it "
@@ -112,12 +112,12 @@ def _mesh(mesh, where):
 
     mesh = xs.get_global_mesh()
     if mesh is None:
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"{where}: no mesh given and no global mesh set. Pass mesh=xs.Mesh(...), or call "
           f"xs.set_global_mesh(mesh) first.")
   check_mesh(mesh, where)
   if not mesh.axis_names:
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: the mesh has no axis names; shard_map's specs name mesh axes. Build it with "
         f"names, e.g. xs.Mesh(ids, {tuple(mesh.mesh_shape)}, ('fsdp', ...)).")
   return mesh
@@ -143,7 +143,7 @@ def _pspec_tree(specs, where, what):
   if isinstance(specs, dict):
     pairs = {k: _pspec_tree(s, where, what) for k, s in specs.items()}
     return {k: p for k, (p, _) in pairs.items()}, {k: e for k, (_, e) in pairs.items()}
-  raise errors.BadArgumentError(
+  raise errors.UsageError(
       f"{where}: {what} holds {specs!r}; a spec is a tuple of mesh axis names or None, one per "
       f"dimension (or a jax.sharding.PartitionSpec), in a tuple, list or dict shaped like the "
       f"values.")
@@ -157,7 +157,7 @@ def _in_pspecs(in_specs, args, names, where):
     in_specs = (in_specs,) * len(args)
   if not isinstance(in_specs, (tuple, list)) or len(in_specs) != len(args) or (
       len(args) == 1 and _is_spec(in_specs) and not _is_spec(in_specs[0])):
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: in_specs must hold one spec per positional argument ({len(args)} here), "
         f"e.g. in_specs=(('fsdp', None),) for one 2-D tensor; got {in_specs!r}.")
   pspecs, exact = _pspec_tree(tuple(in_specs), where, "in_specs")
@@ -166,7 +166,7 @@ def _in_pspecs(in_specs, args, names, where):
     jax.tree.map(lambda spec, ex, value: _check_rank(spec, ex, value, where, "in_specs"),
                  pspecs, exact, tuple(args))
   except ValueError as e:  # the structures differ
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: in_specs {in_specs!r} does not match the arguments' structure: {e}") from None
   return pspecs
 
@@ -178,11 +178,11 @@ def _check_names(pspecs, names, where, what):
             for a in (entry if isinstance(entry, tuple) else (entry,))]
     unknown = [a for a in axes if a not in names]
     if unknown:
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"{where}: {what} spec {tuple(spec)} names mesh axis {unknown[0]!r}, which the mesh "
           f"does not have; its axes are {names}.")
     if len(axes) != len(set(axes)):
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"{where}: {what} spec {tuple(spec)} names a mesh axis more than once; each axis can "
           f"shard at most one dimension.")
 
@@ -193,7 +193,7 @@ def _check_rank(spec, exact, values, where, what):
   for value in runtime.jax_module().tree.leaves(values):
     shape = tuple(getattr(value, "shape", ()))
     if len(spec) > len(shape) or (exact and len(spec) != len(shape)):
-      raise errors.BadArgumentError(
+      raise errors.UsageError(
           f"{where}: {what} spec {tuple(spec)} has {len(spec)} entries for a value of shape "
           f"{shape}; give one entry (a mesh axis name or None) per dimension.")
 
@@ -224,9 +224,9 @@ def _torch_body(fn, axes, where):
       drew.append(torchax_private.current_key(env) is not start)
     for tensor, shard in zip(jax.tree.leaves(tensors), jax.tree.leaves(shards)):
       if tensor.jax() is not shard:
-        raise errors.MutationError(
+        raise errors.misuse(errors.MutationError(
             f"{where}: the function updated an argument of shape {tuple(tensor.shape)} in place; "
-            f"inside shard_map that update would be lost. Return the new value instead.")
+            f"inside shard_map that update would be lost. Return the new value instead."))
     return tracing.to_jax(outputs)
 
   def rotate():

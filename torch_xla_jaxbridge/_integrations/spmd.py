@@ -76,7 +76,7 @@ def tiles(mesh, partition_spec, shape, *, where="with_sharding_constraint"):
   check_mesh(mesh, where)
   spec = tuple(partition_spec)
   if len(spec) != len(shape):
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: partition spec {spec} has {len(spec)} entries for a tensor of shape "
         f"{tuple(shape)}; give one entry (a mesh axis, a tuple of axes, or None) per dimension.")
   names = tuple(mesh.axis_names or ())
@@ -86,7 +86,7 @@ def tiles(mesh, partition_spec, shape, *, where="with_sharding_constraint"):
     per_dim.append(tuple(_axis_index(mesh, names, a, spec, where) for a in axes))
   used = [a for axes in per_dim for a in axes]
   if len(used) != len(set(used)):
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: partition spec {spec} names a mesh axis more than once; each axis can shard "
         f"at most one dimension.")
   mesh_shape = tuple(mesh.mesh_shape)
@@ -106,12 +106,12 @@ def check_mesh(mesh, where):
   import torch_xla.runtime as xr
 
   if not spmd_enabled():
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: SPMD is not enabled. Call torch_xla.runtime.use_spmd() at the start of the "
         f"program, before any tensor is moved to the XLA device.")
   count = xr.global_runtime_device_count()
   if mesh.size() != count:
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"{where}: the mesh has {mesh.size()} devices (shape {tuple(mesh.mesh_shape)}) but the "
         f"program runs on {count}. Build the mesh over every device, e.g. xs.Mesh(np.arange("
         f"{count}), ({count},), ('fsdp',)).")
@@ -122,7 +122,7 @@ def _axis_index(mesh, names, axis, spec, where):
     return axis
   if isinstance(axis, str) and axis in names:
     return names.index(axis)
-  raise errors.BadArgumentError(
+  raise errors.UsageError(
       f"{where}: partition spec {spec} names mesh axis {axis!r}, which the mesh does not have; "
       f"its axes are {names or tuple(range(len(mesh.mesh_shape)))}.")
 
@@ -219,11 +219,11 @@ def place_from_cpu(value: torch.Tensor, mesh: Any, spec: Sequence) -> torch.Tens
 
   ids = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
   if xr.addressable_runtime_device_count() != ids.size:
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"place_from_cpu: this process addresses {xr.addressable_runtime_device_count()} of the "
         f"mesh's {ids.size} devices; placing shards supports one process holding every device.")
   if len(spec) != value.dim() or not all(a is None or a in mesh.axis_names for a in spec):
-    raise errors.BadArgumentError(
+    raise errors.UsageError(
         f"place_from_cpu: spec {spec} needs one entry per dimension of a {value.dim()}-d tensor, "
         f"each None or one of the mesh axes {mesh.axis_names}.")
   shards = []
@@ -233,7 +233,7 @@ def place_from_cpu(value: torch.Tensor, mesh: Any, spec: Sequence) -> torch.Tens
     for size, axis in zip(value.shape, spec):
       parts = mesh.mesh_shape[mesh.axis_names.index(axis)] if axis else 1
       if size % parts:
-        raise errors.BadArgumentError(
+        raise errors.UsageError(
             f"place_from_cpu: dimension of size {size} does not split evenly over mesh axis "
             f"{axis!r} of {parts} devices; shard a divisible dimension or replicate it (None).")
       step = size // parts

@@ -1,0 +1,211 @@
+"""Host time of one training step, split into its parts, against a native `jax.jit` dispatch.
+
+For each config (the recipe's llama-tiny and llama-mid, the latter also with 32 layers) and mode
+(the recipe's default one-node step, plain LazyTensor + torch AdamW), each run is its own process
+and the modes are alternated over `--rounds` rounds. A process builds the recipe's model,
+optimizer and step with the recipe's own functions, then times `--steps` steps after warm-up
+(none of them compiling), waiting for the device before each so the measured host work does not
+share the cores with XLA's execution:
+
+- `step_cpu_ms` / `sync_cpu_ms`: process CPU time of the step body (tracing: forward, backward,
+  optimizer) and of `torch_xla.sync()` (graph hash, lookup, dispatch); `host_ms` their sum, the
+  host time a step costs. Wall times alongside.
+- parts: the same steps once more under cProfile, each function's own time assigned to a part
+  (`PARTS`: Python call path, flatten and cache key, argument checks, data handles, optimizer
+  bookkeeping, the node, sync, other), as shares scaled to `host_ms` (the profiler slows Python
+  more than C++, so the Python parts read high).
+- `anchor_ms`: host time of calling a `jax.jit` function of as many arrays as the step's inputs
+  and outputs (parameters, optimizer state, batch; donated), on JAX's CPU device: what a
+  dispatch costs without torch_xla.
+
+Prints a table of medians [min-max] over rounds and writes JSON.
+
+  python scripts/bench_host.py [--rounds 3] [--steps 20] [--configs tiny mid mid32]
+                               [--json scripts/out/bench_host.json]
+"""
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {"tiny": ["model=llama-tiny"], "mid": ["model=llama-mid", "train.seq=256"],
+           "mid32": ["model=llama-mid", "train.seq=256", "model.layers=32"]}
+MODES = {"default step": [], "LazyTensor + torch AdamW": ["remat.bridge=none",
+                                                          "train.optimizer=torch-adamw"]}
+# part -> substrings of "file:function" that belong to it (first match wins)
+PARTS = {
+    "sync (graph hash, lookup, dispatch)": ["_xla_step_marker"],
+    "the node (torch_xla user computation)": ["_xla_user_computation"],
+    "data handles and aliasing": ["replace_data", "_replace_xla_tensor", "_propagate_xla_data",
+                                  "_functionalize", "_from_functional_tensor",
+                                  "increment_version"],
+    "optimizer bookkeeping": ["optim/_", "torch/optim", "lr_scheduler", "built-in method torch.tensor",
+                              "'to' of 'torch._C"],
+    "flatten and cache key": ["tree_util", "jax/_src/tree", "lowering.py", "call.py", "plain.py",
+                              "spec.py:split", "__hash__", "__eq__"],
+    "argument checks": ["check_params", "_check", "is_traced", "_any_traced"],
+    "Python call path (bridge, captures, state walk)": ["torch_xla_jaxbridge", "torch/nn/modules"],
+}
+
+
+def child(config, mode, steps):
+  import torch
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+
+  import torch_xla_jaxbridge as jb  # noqa: F401  (registers the package's features)
+  from torch_xla_jaxbridge.recipes import config as recipe_config, data, train
+
+  cfg = recipe_config.load([*CONFIGS[config], *MODES[mode], "train.checkpoint_every=0"])
+  t = cfg["train"]
+  device = torch_xla.device()
+  model = train.prepare(cfg, device)
+  optimizer = train.make_optimizer(model.parameters(), t)
+  schedule = train.make_schedule(optimizer, t)
+  step_fn = train.make_step(cfg, model, optimizer)
+  batches = [(x.to(device), y.to(device)) for x, y in data.Batches(
+      0, 4, batch=t["batch"], seq=t["seq"], seed=0, source=t["data"], vocab=cfg["model"]["vocab"])]
+  torch_xla.sync()
+  xm.wait_device_ops()
+  kept = []
+
+  def one(i, profile=None):
+    x, y = batches[i % len(batches)]
+    cpu, wall = time.process_time(), time.perf_counter()
+    if profile:
+      profile.enable()
+    loss, grad_norm, _ = step_fn(x, y, schedule)
+    kept[:] = [loss.detach(), None if grad_norm is None else grad_norm.detach().clone()]
+    mid_cpu, mid_wall = time.process_time(), time.perf_counter()
+    torch_xla.sync()
+    if profile:
+      profile.disable()
+    end_cpu, end_wall = time.process_time(), time.perf_counter()
+    xm.wait_device_ops()
+    return ((mid_cpu - cpu) * 1e3, (end_cpu - mid_cpu) * 1e3, (mid_wall - wall) * 1e3,
+            (end_wall - mid_wall) * 1e3)
+
+  for i in range(6):  # warm-up: the first steps compile
+    one(i)
+  times = [one(i) for i in range(steps)]
+  median = lambda k: statistics.median(t[k] for t in times)  # noqa: E731
+  result = {"config": config, "mode": mode, "step_cpu_ms": median(0), "sync_cpu_ms": median(1),
+            "step_wall_ms": median(2), "sync_wall_ms": median(3),
+            "params": sum(1 for _ in model.parameters())}
+  result["host_ms"] = result["step_cpu_ms"] + result["sync_cpu_ms"]
+  profile = cProfile.Profile()
+  for i in range(steps):
+    one(i, profile)
+  result["parts"] = _parts(profile, result["host_ms"])
+  result["anchor_ms"] = _anchor(model, optimizer, batches[0])
+  return result
+
+
+def _parts(profile, host_ms):
+  stats = pstats.Stats(profile).stats
+  totals = dict.fromkeys(list(PARTS) + ["other"], 0.0)
+  for (filename, _, function), (_, _, own, _, _) in stats.items():
+    where = f"{filename}:{function}"
+    part = next((name for name, keys in PARTS.items() if any(k in where for k in keys)), "other")
+    totals[part] += own
+  whole = sum(totals.values()) or 1.0
+  return {name: host_ms * value / whole for name, value in totals.items()}
+
+
+def _anchor(model, optimizer, batch):
+  """Host ms of one call of a `jax.jit` step over as many arrays (donated) as the torch step."""
+  import jax
+  import jax.numpy as jnp
+
+  shapes = [tuple(p.shape) for p in model.parameters()]
+  states = sum(len([v for v in s.values() if getattr(v, "device", None) is not None and
+                    v.device.type == "xla"]) for s in optimizer.state.values())
+  params = [jnp.zeros(s, jnp.float32) for s in shapes]
+  moments = [jnp.zeros(s, jnp.float32) for s in shapes] * max(1, states // max(1, len(shapes)))
+  x = jnp.zeros(tuple(batch[0].shape), jnp.int32)
+
+  @jax.jit
+  def step(params, moments, x):
+    return [p * 0.999 for p in params], [m * 0.9 for m in moments], jnp.sum(x)
+
+  donated = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
+  out = donated(params, moments, x)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(20):
+    start = time.process_time()
+    out = donated(out[0], out[1], x)
+    times.append((time.process_time() - start) * 1e3)
+    jax.block_until_ready(out)
+  return statistics.median(times)
+
+
+def run(config, mode, steps):
+  proc = subprocess.run([sys.executable, __file__, "--child", config, mode, str(steps)],
+                        capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
+  if proc.returncode != 0:
+    raise RuntimeError(f"{config} {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs):
+  rows = []
+  keys = ["host_ms", "step_cpu_ms", "sync_cpu_ms", "anchor_ms"]
+  for config in dict.fromkeys(r["config"] for r in runs):
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+      mine = [r for r in runs if r["config"] == config and r["mode"] == mode]
+      if not mine:
+        continue
+      row = {"config": config, "mode": mode, "params": mine[0]["params"], "rounds": len(mine)}
+      for key in keys:
+        values = [r[key] for r in mine]
+        row[key] = [statistics.median(values), min(values), max(values)]
+      row["parts"] = {part: statistics.median(r["parts"][part] for r in mine)
+                      for part in mine[0]["parts"]}
+      rows.append(row)
+  return rows
+
+
+def show(rows):
+  print(f"{'config':<7}{'mode':<27}{'params':>7}{'host ms':>22}{'step cpu':>12}{'sync cpu':>12}"
+        f"{'jax.jit':>10}")
+  for r in rows:
+    span = lambda k: f"{r[k][0]:.2f} [{r[k][1]:.2f}-{r[k][2]:.2f}]"  # noqa: E731
+    print(f"{r['config']:<7}{r['mode']:<27}{r['params']:>7}{span('host_ms'):>22}"
+          f"{r['step_cpu_ms'][0]:>12.2f}{r['sync_cpu_ms'][0]:>12.2f}{r['anchor_ms'][0]:>10.2f}")
+  for r in rows:
+    parts = ", ".join(f"{name} {ms:.2f}" for name, ms in r["parts"].items() if ms >= 0.01)
+    print(f"  {r['config']} {r['mode']}: {parts}")
+
+
+def main():
+  if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    return
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+  parser.add_argument("--modes", nargs="+", default=list(MODES))
+  parser.add_argument("--json", default="scripts/out/bench_host.json")
+  opts = parser.parse_args()
+  runs = []
+  for round_ in range(opts.rounds):
+    for config in opts.configs:
+      for mode in opts.modes:
+        runs.append(run(config, mode, opts.steps))
+        print(f"round {round_}: {config} {mode}: host {runs[-1]['host_ms']:.2f} ms", flush=True)
+  rows = summarize(runs)
+  show(rows)
+  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
+  with open(opts.json, "w") as f:
+    json.dump({"runs": runs, "rows": rows, "load": os.getloadavg()}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -5,8 +5,8 @@ from them.
 `checksums.json` in the directory holds `{"algorithm": "crc32", "files": {name: {"bytes": n,
 "digest": hex}}}` for every other file (data files, `.metadata`, `config.json`). CRC32 (zlib)
 by default: it finds every single-bit flip and every burst of up to 32 changed bits, and hashes
-at about 2.4x the speed of SHA-256 on this machine (docs/recipes.md, "The run directory"); it is
-not a defence against deliberate changes, which could rewrite `checksums.json` too.
+a checkpoint about twice as fast as SHA-256 (docs/recipes.md, "The run directory"); it is not a
+defence against deliberate changes, which could rewrite `checksums.json` too.
 """
 import hashlib
 import json

@@ -51,7 +51,8 @@ class TornCheckpointWarning(UserWarning):
   """A checkpoint directory skipped because a save did not finish or its files are damaged."""
 
 
-def save(root, step: int, model, optimizer, run_config: dict | None = None,
+def save(root: str | os.PathLike, step: int, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, run_config: dict | None = None,
          checksum: str | None = "crc32") -> pathlib.Path:
   """Writes `root/step_<step>` (model, optimizer, step, random states) atomically; returns it.
 
@@ -90,7 +91,7 @@ def save(root, step: int, model, optimizer, run_config: dict | None = None,
   return final
 
 
-def run_config(path) -> dict | None:
+def run_config(path: str | os.PathLike) -> dict | None:
   """The config saved with checkpoint `path` (`save(run_config=...)`), or None without one.
 
   Example:
@@ -102,7 +103,7 @@ def run_config(path) -> dict | None:
   return json.loads(file.read_text()) if file.is_file() else None
 
 
-def step_of(path) -> int:
+def step_of(path: str | os.PathLike) -> int:
   """The step of checkpoint directory `path` (from its name).
 
   Example:
@@ -112,7 +113,7 @@ def step_of(path) -> int:
   return int(_NAME.match(pathlib.Path(path).name).group(1))
 
 
-def latest(root) -> pathlib.Path | None:
+def latest(root: str | os.PathLike) -> pathlib.Path | None:
   """The newest complete checkpoint directory under `root` (None: there is none); newer torn
   ones (unfinished, truncated, or not matching their checksums) are skipped with a
   `TornCheckpointWarning` naming each.
@@ -132,7 +133,7 @@ def latest(root) -> pathlib.Path | None:
   return None
 
 
-def prune(root, keep: int, newest: int) -> list:
+def prune(root: str | os.PathLike, keep: int, newest: int) -> list[pathlib.Path]:
   """Deletes the complete checkpoints under `root` older than the `keep` newest complete ones of
   steps up to `newest` (the one just saved); returns their paths. Torn ones and newer ones (an
   earlier run's) are left alone. "Complete" is checked without checksums (metadata and sizes:
@@ -169,7 +170,7 @@ def _candidates(root):
   return sorted(found, reverse=True)
 
 
-def torn(path, verify: bool = True) -> str | None:
+def torn(path: str | os.PathLike, verify: bool = True) -> str | None:
   """Why checkpoint directory `path` cannot be loaded (no or unreadable metadata, a data file
   missing or shorter than the metadata says; with `verify`, a file that does not match its
   checksum), or None when it is complete. A directory without `checksums.json` (saved before

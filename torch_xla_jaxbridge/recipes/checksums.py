@@ -18,7 +18,7 @@ FILE = "checksums.json"
 _CHUNK = 16 << 20  # bytes read at a time
 
 
-def record(path, algorithm: str = "crc32") -> dict:
+def record(path: str | os.PathLike, algorithm: str = "crc32") -> dict:
   """The `checksums.json` record of directory `path`: the size and `algorithm` digest ("crc32",
   or any `hashlib` name such as "sha256") of each file in it but `checksums.json`.
 
@@ -35,7 +35,7 @@ def record(path, algorithm: str = "crc32") -> dict:
   return {"algorithm": algorithm, "files": files}
 
 
-def write(path, algorithm: str = "crc32") -> None:
+def write(path: str | os.PathLike, algorithm: str = "crc32") -> None:
   """Writes (and fsyncs) `path/checksums.json`, the `record` of directory `path`.
 
   Example:
@@ -48,7 +48,7 @@ def write(path, algorithm: str = "crc32") -> None:
   write_durably(pathlib.Path(path) / FILE, json.dumps(record(path, algorithm), indent=2))
 
 
-def mismatch(path) -> str | None:
+def mismatch(path: str | os.PathLike) -> str | None:
   """Why a file of directory `path` does not match its `checksums.json` record (changed,
   missing, or the record unreadable), or None: every file matches, or there is no record.
 
@@ -83,7 +83,7 @@ def mismatch(path) -> str | None:
   return None
 
 
-def digest(file, algorithm: str = "crc32") -> str:
+def digest(file: str | os.PathLike, algorithm: str = "crc32") -> str:
   """The hex digest of `file`'s bytes: "crc32" (zlib), or any `hashlib` algorithm.
 
   Example:
@@ -100,7 +100,7 @@ def digest(file, algorithm: str = "crc32") -> str:
   return hasher.hexdigest()
 
 
-def write_durably(path, text: str) -> None:
+def write_durably(path: str | os.PathLike, text: str) -> None:
   """Writes `text` to file `path` and fsyncs it (its directory entry is the caller's to sync).
 
   Example:

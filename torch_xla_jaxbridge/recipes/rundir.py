@@ -16,6 +16,7 @@ import os
 import pathlib
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 from torch_xla_jaxbridge.recipes import checkpoint, config
 
@@ -29,7 +30,7 @@ _SAME_OPTIMIZER_STATE = {config.TORCH_ADAMW: "adamw"}
 
 
 @contextlib.contextmanager
-def claim(out, log=print):
+def claim(out: str | os.PathLike, log: Callable[[str], object] = print) -> Iterator[None]:
   """Holds the lock of run directory `out` (made if missing) while the block runs, released on
   any exit; raises `ConfigError` when another process holds it.
 
@@ -113,7 +114,7 @@ def _alive(pid):
   return True
 
 
-def check_resume(found, cfg: dict) -> None:
+def check_resume(found: str | os.PathLike, cfg: dict) -> None:
   """Raises `ConfigError` (one line) when checkpoint `found` was saved with a model or optimizer
   state layout other than `cfg`'s, naming each differing key with its saved and current value.
   A checkpoint without a saved config (an older recipe's) is not checked.
@@ -134,7 +135,7 @@ def check_resume(found, cfg: dict) -> None:
         f"values ({again}), or train this configuration in another out= directory.")
 
 
-def differences(saved: dict, cfg: dict) -> list:
+def differences(saved: dict, cfg: dict) -> list[tuple]:
   """(key, saved value, current value) of each key that shapes the checkpoint's state and differs
   between configs `saved` and `cfg`; keys absent from either are skipped.
 
@@ -164,7 +165,7 @@ def _value(value):
   return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def complete(found, cfg: dict, log=print) -> bool:
+def complete(found: str | os.PathLike, cfg: dict, log: Callable[[str], object] = print) -> bool:
   """Whether checkpoint `found` is at (or past) `train.steps`: the run is complete, which is
   logged, and nothing is to be trained or written.
 
@@ -183,7 +184,7 @@ def complete(found, cfg: dict, log=print) -> bool:
   return True
 
 
-def keep_metrics_until(path, step: int) -> None:
+def keep_metrics_until(path: str | os.PathLike, step: int) -> None:
   """Drops the rows of `metrics.jsonl` file `path` after `step` (a run killed after its last
   checkpoint wrote them; the resumed run writes them again) and a last line cut short by the
   kill.

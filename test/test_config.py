@@ -26,6 +26,7 @@ CORPUS = data.CORPUS.stat().st_size
     (["train.batch=-2"], r"train.batch: must be at least 1, got -2"),
     (["train.seq=0"], r"train.seq: must be at least 1, got 0"),
     (["train.checkpoint_every=-1"], r"train.checkpoint_every: must be at least 0, got -1"),
+    (["train.keep_checkpoints=-1"], r"train.keep_checkpoints: must be at least 0, got -1"),
     ([f"train.seq={CORPUS}"], rf"train.seq: {CORPUS} is longer than the corpus allows \(it has "
                               rf"{CORPUS} tokens: train.seq at most {CORPUS - 2}\); use a shorter "
                               rf"seq or train.data=synthetic"),

@@ -27,10 +27,9 @@ def test_defaults_model_file_and_overrides():
 
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", r"train.stepz: unknown key 'stepz' in train; valid keys: batch, "
-                      r"checkpoint_every, data, log_every, lr, master_weights, max_grad_norm, "
-                      r"optimizer, optimizer_args, schedule, seed, seq, steps, sync_each_step, "
-                      r"warmup_steps, "
-                      r"weight_decay"),
+                      r"checkpoint_every, data, keep_checkpoints, log_every, lr, master_weights, "
+                      r"max_grad_norm, optimizer, optimizer_args, schedule, seed, seq, steps, "
+                      r"sync_each_step, warmup_steps, weight_decay"),
     ("train.optimizer=adam", r"train.optimizer: 'adam' is not valid; choose one of "
                              + re.escape(", ".join(config.optimizer_choices()) + ".")),
     ("train.schedule=step", r"train.schedule: 'step' is not valid; choose one of constant, cosine"),

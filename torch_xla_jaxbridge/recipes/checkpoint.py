@@ -8,15 +8,18 @@ optimizer's `state_dict()`, the step (the recipe's data position: batch `i` depe
 and `i`) and the torch and torch_xla random states.
 
 A save writes `root/step_000006.partial/` and renames it to `root/step_000006/` when every file
-is on disk: a crash leaves a `.partial` directory, never a directory that looks complete.
-`latest` also checks each candidate's files against its metadata (a truncated or missing file)
-and skips torn ones with a `TornCheckpointWarning` naming them.
+is on disk: a crash leaves a `.partial` directory, never a directory that looks complete. Before
+the rename it writes the run's config (`config.json`, when given) and `checksums.json`: a CRC32
+of every file. `latest` checks each candidate's files against its metadata (a truncated or
+missing file) and against its checksums (a changed byte), and skips torn ones with a
+`TornCheckpointWarning` naming them. `prune` keeps the newest N.
 
 One process drives all devices of the host (torch_xla SPMD); saving from several processes
 (multi-host) would need a barrier before the rename and is refused.
 """
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -34,9 +37,11 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDS
 
 import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge.recipes import checksums
 
 PAUSE_ENV = "JAXBRIDGE_CHECKPOINT_TEST_PAUSE"
 _NAME = re.compile(r"step_(\d+)(\.partial)?$")
+RUN_CONFIG = "config.json"  # the resolved config of the run that saved the checkpoint
 # DCP and torch_xla's planners warn on every single-process save or load, about their own code
 _NOISE = ("torch.distributed is disabled", "The function definition for SavePlanner",
           "TypedStorage is deprecated", "Using a non-tuple sequence for multidimensional indexing")
@@ -46,15 +51,22 @@ class TornCheckpointWarning(UserWarning):
   """A checkpoint directory skipped because a save did not finish or its files are damaged."""
 
 
-def save(root, step, model, optimizer):
+def save(root: str | os.PathLike, step: int, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, run_config: dict | None = None,
+         checksum: str | None = "crc32") -> pathlib.Path:
   """Writes `root/step_<step>` (model, optimizer, step, random states) atomically; returns it.
+
+  Before the commit rename it writes `run_config` (when given) as `config.json` and, unless
+  `checksum` is None, `checksums.json`: the `checksum` ("crc32", or a `hashlib` name such as
+  "sha256") of every file, which `latest` verifies.
 
   Example:
     >>> import tempfile
     >>> model = torch.nn.Linear(4, 2).to("xla")
     >>> optimizer = torch.optim.AdamW(model.parameters())
-    >>> save(tempfile.mkdtemp(), 3, model, optimizer).name
-    'step_000003'
+    >>> path = save(tempfile.mkdtemp(), 3, model, optimizer, run_config={"seed": 0})
+    >>> path.name, sorted(p.name for p in path.iterdir())
+    ('step_000003', ['.metadata', '__0_0.distcp', 'checksums.json', 'config.json'])
   """
   _refuse_multiple_processes()
   root = pathlib.Path(root)
@@ -67,6 +79,11 @@ def save(root, step, model, optimizer):
   with _quiet():
     dcp.save(state, storage_writer=_Writer(partial, step), planner=_SavePlanner(),
              no_dist=True)
+  if run_config is not None:
+    checksums.write_durably(partial / RUN_CONFIG, json.dumps(run_config, indent=2))
+  if checksum is not None:
+    checksums.write(partial, checksum)
+  _fsync_directory(partial)
   if final.exists():  # an earlier save of this step: a torn one, or an earlier run's
     shutil.rmtree(final)
   os.rename(partial, final)
@@ -74,19 +91,39 @@ def save(root, step, model, optimizer):
   return final
 
 
-def latest(root):
+def run_config(path: str | os.PathLike) -> dict | None:
+  """The config saved with checkpoint `path` (`save(run_config=...)`), or None without one.
+
+  Example:
+    >>> import tempfile
+    >>> run_config(tempfile.mkdtemp()) is None
+    True
+  """
+  file = pathlib.Path(path) / RUN_CONFIG
+  return json.loads(file.read_text()) if file.is_file() else None
+
+
+def step_of(path: str | os.PathLike) -> int:
+  """The step of checkpoint directory `path` (from its name).
+
+  Example:
+    >>> step_of("out/checkpoints/step_000150")
+    150
+  """
+  return int(_NAME.match(pathlib.Path(path).name).group(1))
+
+
+def latest(root: str | os.PathLike) -> pathlib.Path | None:
   """The newest complete checkpoint directory under `root` (None: there is none); newer torn
-  ones are skipped with a `TornCheckpointWarning` naming each.
+  ones (unfinished, truncated, or not matching their checksums) are skipped with a
+  `TornCheckpointWarning` naming each.
 
   Example:
     >>> import tempfile
     >>> latest(tempfile.mkdtemp()) is None
     True
   """
-  root = pathlib.Path(root)
-  found = [(int(m.group(1)), m.group(2) is None, p) for p in root.glob("step_*")
-           if (m := _NAME.match(p.name)) and p.is_dir()]
-  for _, named_complete, path in sorted(found, reverse=True):
+  for _, named_complete, path in _candidates(root):
     reason = torn(path) if named_complete else "a save that did not finish (killed while saving)"
     if reason is None:
       return path
@@ -96,9 +133,48 @@ def latest(root):
   return None
 
 
-def torn(path):
+def prune(root: str | os.PathLike, keep: int, newest: int) -> list[pathlib.Path]:
+  """Deletes the complete checkpoints under `root` older than the `keep` newest complete ones of
+  steps up to `newest` (the one just saved); returns their paths. Torn ones and newer ones (an
+  earlier run's) are left alone. "Complete" is checked without checksums (metadata and sizes:
+  no data is read). A deletion is a rename to `step_N.deleting` (which `latest` ignores) then a
+  removal; leftovers of a crash in between are removed by the next call.
+
+  Example:
+    >>> import tempfile
+    >>> model = torch.nn.Linear(4, 2).to("xla")
+    >>> optimizer = torch.optim.AdamW(model.parameters())
+    >>> root = tempfile.mkdtemp()
+    >>> for step in (1, 2, 3):
+    ...   _ = save(root, step, model, optimizer)
+    >>> [p.name for p in prune(root, 2, 3)], sorted(p.name for p in pathlib.Path(root).iterdir())
+    (['step_000001'], ['step_000002', 'step_000003'])
+  """
+  root = pathlib.Path(root)
+  for leftover in root.glob("step_*.deleting"):
+    shutil.rmtree(leftover, ignore_errors=True)
+  complete = [path for step, named_complete, path in _candidates(root)
+              if named_complete and step <= newest and torn(path, verify=False) is None]
+  for path in complete[keep:]:
+    doomed = path.with_name(path.name + ".deleting")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+  return complete[keep:]
+
+
+def _candidates(root):
+  """(step, named complete (not .partial), path) of the checkpoint directories under `root`,
+  newest first."""
+  found = [(int(m.group(1)), m.group(2) is None, p) for p in pathlib.Path(root).glob("step_*")
+           if (m := _NAME.match(p.name)) and p.is_dir()]
+  return sorted(found, reverse=True)
+
+
+def torn(path: str | os.PathLike, verify: bool = True) -> str | None:
   """Why checkpoint directory `path` cannot be loaded (no or unreadable metadata, a data file
-  missing or shorter than the metadata says), or None when it is complete.
+  missing or shorter than the metadata says; with `verify`, a file that does not match its
+  checksum), or None when it is complete. A directory without `checksums.json` (saved before
+  checksums, or with `checksum=None`) is not verified.
 
   Example:
     >>> import tempfile
@@ -122,7 +198,7 @@ def torn(path):
       return f"data file {name} is missing"
     if file.stat().st_size < size:
       return f"data file {name} is truncated ({file.stat().st_size} of {size} bytes)"
-  return None
+  return checksums.mismatch(path) if verify else None
 
 
 def load(path, model, optimizer):

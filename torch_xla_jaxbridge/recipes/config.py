@@ -158,6 +158,7 @@ def check(cfg):
   for key in ("batch", "seq", "steps", "log_every"):
     _at_least(f"train.{key}", train[key], 1)
   _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
+  _at_least("train.keep_checkpoints", train["keep_checkpoints"], 0)
   _check_optimizer(train)
   _check_out(cfg["out"])
   _check_data(train, model)

@@ -26,7 +26,8 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 
-from torch_xla_jaxbridge.recipes import checkpoint, config, data, llama, metrics, precision, sharding
+from torch_xla_jaxbridge.recipes import (checkpoint, config, data, llama, metrics, precision,
+                                         rundir, sharding)
 
 
 def prepare(cfg, device):
@@ -93,21 +94,6 @@ def make_step(cfg, model, optimizer):
   return step
 
 
-def _keep_metrics_until(path, step):
-  """Drops the rows of `metrics.jsonl` after `step` (a run killed after its last checkpoint
-  wrote them; the resumed run writes them again) and a last line cut short by the kill."""
-  if not path.exists():
-    return
-  rows = []
-  for line in path.read_text().splitlines():
-    try:
-      if json.loads(line)["step"] <= step:
-        rows.append(line + "\n")
-    except (json.JSONDecodeError, KeyError):
-      pass
-  path.write_text("".join(rows))
-
-
 def make_optimizer(params, t):
   """The optimizer `train.optimizer` names, with the `train` section's lr and weight decay,
   `train.optimizer_args` (over the recipe's defaults for it) and, for a `jb.optim` optimizer,
@@ -158,25 +144,36 @@ def optimizer_step(optimizer, schedule, model, t):
 
 
 def train(cfg, *, log=print):
-  """Runs the configured training; returns the list of per-step losses of this run.
+  """Runs the configured training in `out`, holding its lock (`rundir.claim`: a second run there
+  stops with a ConfigError); returns the list of per-step losses of this run (empty when
+  `resume=true` finds the run complete). Resuming checks the checkpoint's saved config first.
 
   Example:
     >>> losses = train(config.load(["train.steps=2"]), log=lambda line: None)
   """
+  out = pathlib.Path(cfg["out"])
+  with rundir.claim(out, log):
+    found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
+    if found is not None:
+      rundir.check_resume(found, cfg)
+      if rundir.complete(found, cfg, log):
+        return []
+    return _train(cfg, out, found, log)
+
+
+def _train(cfg, out, found, log):
+  """`train` in run directory `out` (held), from checkpoint `found` (None: from the start)."""
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))  # SPMD before any tensor is placed
   device = torch_xla.device()
-  out = pathlib.Path(cfg["out"])
-  out.mkdir(parents=True, exist_ok=True)
   model = prepare(cfg, device)
   t = cfg["train"]
   make = lambda params: make_optimizer(params, t)  # noqa: E731
   optimizer = (precision.master_weights(model.parameters(), make) if t["master_weights"]
                else make(model.parameters()))
   start = 0
-  found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
   if found is not None:
     start = checkpoint.load(found, model, optimizer)
-    _keep_metrics_until(out / "metrics.jsonl", start)
+    rundir.keep_metrics_until(out / "metrics.jsonl", start)
     log(f"resumed from {found} at step {start}")
   schedule = make_schedule(optimizer, t, start)
   peak, said = metrics.peak_flops(metrics.device_kind(), cfg["model"].get("dtype", "float32"),
@@ -197,10 +194,11 @@ def train(cfg, *, log=print):
       if t["sync_each_step"]:
         torch_xla.sync()
         loss.item()  # the host waits for the device
-      every = t["checkpoint_every"]
-      if every and step % every == 0:
+      if t["checkpoint_every"] and step % t["checkpoint_every"] == 0:
         reads.drain()  # the rows up to a checkpoint are on disk before it
-        checkpoint.save(out / "checkpoints", step, model, optimizer)
+        checkpoint.save(out / "checkpoints", step, model, optimizer, run_config=cfg)
+        if t["keep_checkpoints"]:  # older ones go only once this one is committed
+          checkpoint.prune(out / "checkpoints", t["keep_checkpoints"], step)
     reads.finish()
   _summary(cfg, out, reads, before, log, model if mesh is not None else None)
   return [row["loss"] for row in reads.rows]
@@ -375,13 +373,13 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
 
 
 def main(argv=None):
-  """Parses `key=value` overrides, then trains. Config errors exit with the message, code 2."""
+  """Parses `key=value` overrides, then trains. Config errors (also a run directory in use, a
+  resume with another model) exit with the message, code 2."""
   try:
-    cfg = config.load(sys.argv[1:] if argv is None else argv)
+    train(config.load(sys.argv[1:] if argv is None else argv))
   except config.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  train(cfg)
   return 0
 
 

@@ -1,0 +1,104 @@
+"""What checkpoint checksums cost: the recipe's checkpoint (model and AdamW state after one step)
+saved and loaded with and without them.
+
+  save none    `checkpoint.save(..., checksum=None)`: DCP files, fsync, rename
+  save crc32   the same, then `checksums.json` (CRC32 of every file; the recipe's default)
+  save sha256  the same with SHA-256
+  load none    `checkpoint.torn(path, verify=False)` (metadata and sizes), then `checkpoint.load`
+  load crc32   `checkpoint.torn(path)` (also every file's CRC32 against checksums.json), then load
+  load sha256  the same on a checkpoint saved with SHA-256
+  hash crc32 / sha256   `checksums.record` alone: reading and hashing every file
+
+The modes alternate over `--rounds` rounds in one process (the files are in the page cache: a
+load from a cold disk reads them twice with verification). Each line: median seconds [min, max],
+and the checkpoint's bytes over the median time. JSON: scripts/out/bench_checkpoint.json (or
+--json).
+
+  python scripts/bench_checkpoint.py [--rounds 7] [key=value ...]   # recipe overrides: model=...
+"""
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch_xla
+
+from torch_xla_jaxbridge.recipes import checkpoint, checksums, config, data, train
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def trained(cfg):
+  """The recipe's model and optimizer after one training step (AdamW has its moments)."""
+  model = train.prepare(cfg, torch_xla.device())
+  optimizer = train.make_optimizer(model.parameters(), cfg["train"])
+  step = train.make_step(cfg, model, optimizer)
+  t = cfg["train"]
+  inputs, targets = data.batch(0, batch=t["batch"], seq=t["seq"], seed=t["seed"],
+                               source=t["data"], vocab=cfg["model"]["vocab"])
+  step(inputs.to(torch_xla.device()), targets.to(torch_xla.device()),
+       train.make_schedule(optimizer, t))
+  torch_xla.sync(wait=True)
+  return model, optimizer
+
+
+def timed(fn):
+  began = time.perf_counter()
+  fn()
+  return time.perf_counter() - began
+
+
+def round_(model, optimizer, work, cfg):
+  """One round: each mode once; seconds by mode."""
+  seconds, saved = {}, {}
+  for algorithm in (None, "crc32", "sha256"):
+    root = pathlib.Path(tempfile.mkdtemp(dir=work))
+    seconds[f"save {algorithm or 'none'}"] = timed(
+        lambda: saved.update({algorithm: checkpoint.save(root, 1, model, optimizer,
+                                                         run_config=cfg, checksum=algorithm)}))
+  for algorithm in ("crc32", "sha256"):
+    seconds[f"hash {algorithm}"] = timed(lambda: checksums.record(saved[None], algorithm))
+  for name, path, verify in (("none", saved[None], False), ("crc32", saved["crc32"], True),
+                             ("sha256", saved["sha256"], True)):
+    def load():
+      assert checkpoint.torn(path, verify=verify) is None
+      checkpoint.load(path, model, optimizer)
+    seconds[f"load {name}"] = timed(load)
+  return seconds, sum(f.stat().st_size for f in saved[None].iterdir())
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--json", default=str(ROOT / "scripts" / "out" / "bench_checkpoint.json"))
+  parser.add_argument("overrides", nargs="*")
+  opts = parser.parse_args()
+  cfg = config.load(opts.overrides)
+  model, optimizer = trained(cfg)
+  runs = []
+  with tempfile.TemporaryDirectory() as work:
+    round_(model, optimizer, work, cfg)  # warm-up: first save and load compile and allocate
+    for _ in range(opts.rounds):
+      seconds, size = round_(model, optimizer, work, cfg)
+      runs.append(seconds)
+  table = {}
+  print(f"checkpoint: {size / 1e6:.1f} MB ({' '.join(opts.overrides) or 'defaults'}), "
+        f"{opts.rounds} rounds")
+  for mode in runs[0]:
+    values = [r[mode] for r in runs]
+    median = statistics.median(values)
+    table[mode] = {"median_s": median, "min_s": min(values), "max_s": max(values),
+                   "mb_per_s": size / 1e6 / median}
+    print(f"  {mode:12s} {median * 1e3:8.1f} ms [{min(values) * 1e3:.1f}, "
+          f"{max(values) * 1e3:.1f}]  {size / 1e6 / median:8.1f} MB/s")
+  pathlib.Path(opts.json).write_text(json.dumps(
+      {"overrides": opts.overrides, "bytes": size, "rounds": opts.rounds, "modes": table,
+       "runs": runs}, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -82,6 +82,7 @@ def test_a_bridge_module_falls_back_to_its_bridged_submodules(dev):
   with pytest.warns(jb.errors.FallbackWarning, match="CoinModel runs as plain LazyTensor code"):
     out = wrapped(x.to(dev))
   out.sum().backward()
+  torch_xla.sync()
   expected = model(x)
   expected.sum().backward()
   torch.testing.assert_close(out.cpu(), expected)
@@ -99,7 +100,10 @@ def test_the_train_step_falls_back_and_trains_as_eager_adamw(dev):
   model, moved = eager_and_xla()
   ref = torch.optim.AdamW(model.parameters(), lr=0.1)
   opt = jb.optim.AdamW(moved.parameters(), lr=0.1)
-  step = jb.train_step(lambda x, y: ((moved(x) - y) ** 2).mean(), opt)
+  def coin_loss(x, y):
+    return ((moved(x) - y) ** 2).mean()
+
+  step = jb.train_step(coin_loss, opt)
   gen = torch.Generator().manual_seed(1)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jb.errors.FallbackWarning)
@@ -116,8 +120,12 @@ def test_the_train_step_falls_back_and_trains_as_eager_adamw(dev):
     torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
     assert p.grad is None  # the step's gradients never reach p.grad
     assert float(opt.state[p]["step"]) == 3  # the failed one-node try advanced nothing
-  assert [r.kind for r in jb.bridge_report().fallbacks() if r.name.startswith("train_step")] == [
-      "step", "module"]  # the step, then the model it reads; its blocks and head are bridged
+  rows = [r for r in jb.bridge_report().rows if r.name.startswith("train_step(coin_loss)")]
+  assert [(r.name, r.status) for r in rows] == [  # the step, the model it reads, then its parts
+      ("train_step(coin_loss)", "fallback"), ("train_step(coin_loss).moved", "fallback"),
+      ("train_step(coin_loss).moved.blocks.0", "bridged"),
+      ("train_step(coin_loss).moved.blocks.1", "bridged"),
+      ("train_step(coin_loss).moved.head", "bridged")]
 
 
 def test_bridge_modules_by_class_keeps_hooks_single_and_values(dev):

@@ -126,7 +126,8 @@ def _anchor(model, optimizer, batch):
   states = sum(len([v for v in s.values() if getattr(v, "device", None) is not None and
                     v.device.type == "xla"]) for s in optimizer.state.values())
   params = [jnp.zeros(s, jnp.float32) for s in shapes]
-  moments = [jnp.zeros(s, jnp.float32) for s in shapes] * max(1, states // max(1, len(shapes)))
+  moments = [jnp.zeros(s, jnp.float32) for _ in range(max(1, states // max(1, len(shapes))))
+             for s in shapes]
   x = jnp.zeros(tuple(batch[0].shape), jnp.int32)
 
   @jax.jit

@@ -390,10 +390,24 @@ def test_inputs_kept_for_the_backward_are_not_returned_by_the_forward(dev):
   layer = jb.BridgeModule(torch.nn.Linear(4, 4).to(dev))
   x = torch.randn(2, 4, device=dev, requires_grad=True)
   out = layer(x)
-  kept, computed = out.grad_fn.saved
-  assert computed == [] and sorted(kept.inputs) == [1, 2]  # the weight and x, passed as they are
+  node = out.grad_fn
+  # the weight and x, passed as they are, and nothing computed
+  assert sorted(node.kept.inputs) == [1, 2] and len(node.saved_tensors) == node.inputs == 2
   out.sum().backward()
   torch.testing.assert_close(layer.weight.grad.cpu(), torch.ones(4, 1) * x.detach().cpu().sum(0))
+
+
+def test_residuals_are_freed_by_the_backward_while_the_output_is_held(dev):
+  """Saved as torch saves: held on `ctx` they would outlive the backward as long as anything
+  holds the graph, and each would become an output of the step's program."""
+  layer = jb.BridgeModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                                              torch.nn.Linear(4, 4)).to(dev))
+  out = layer(torch.randn(2, 4, device=dev))
+  node = out.grad_fn
+  assert len(node.saved_tensors) > node.inputs  # the tanh's output is a computed residual
+  out.sum().backward()
+  with pytest.raises(RuntimeError, match="freed"):
+    node.saved_tensors
 
 
 @pytest.mark.parametrize("update", ["in place", "jb.optim.SGD"])

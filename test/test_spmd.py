@@ -89,9 +89,9 @@ def test_with_sharding_constraint_in_a_jax_function(facts):
 
 @pytest.mark.parametrize("case, message", [
     ("mesh_too_small", r"Number of device IDs \(2\) must match the global number of devices \(4\)"),
-    ("spec_too_short", r"BadArgumentError: xs.mark_sharding in bridged code: partition spec "
+    ("spec_too_short", r"UsageError: xs.mark_sharding in bridged code: partition spec "
                        r"\('d',\) has 1 entries for a tensor of shape \(8, 8\)"),
-    ("unknown_axis", r"BadArgumentError: .* names mesh axis 'model', which the mesh does not "
+    ("unknown_axis", r"UsageError: .* names mesh axis 'model', which the mesh does not "
                      r"have; its axes are \('d',\)"),
     ("odd_batch", r"train.batch: 6 does not divide over mesh.fsdp=4; use a multiple of 4"),
 ])

@@ -51,8 +51,8 @@ def test_metrics_rows_and_progress_lines(async_run):
   losses, out, _, lines = async_run
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [1, 2, 3] and [r["loss"] for r in rows] == losses
-  keys = {"step", "loss", "lr", "step_ms", "trace_ms", "tokens_per_s", "mfu", "began_s",
-          "traced_s"}
+  keys = {"step", "loss", "lr", "step_ms", "trace_ms", "host_ms", "tokens_per_s", "mfu",
+          "began_s", "traced_s"}
   assert all(keys <= set(r) for r in rows)
   assert ["done_s" in r for r in rows] == [False, True, True]  # the end of each read window
   summary = json.loads((out / "summary.json").read_text())
@@ -60,7 +60,8 @@ def test_metrics_rows_and_progress_lines(async_run):
   for r in rows:
     assert r["tokens_per_s"] == pytest.approx(8 * 64 / (r["step_ms"] / 1e3))
     assert r["mfu"] == pytest.approx(1474560 * r["tokens_per_s"] / summary["peak_flops"])
-    assert r["lr"] == 0.003 and r["trace_ms"] > 0
+    assert r["lr"] == 0.003 and r["trace_ms"] > 0 and r["host_ms"] > 0
+  assert summary["host_ms"] is None  # no whole read window after the first (it compiles)
   assert lines[0].startswith("peak (CPU, calibrated matmul): ") and lines[0].endswith(" GFLOP/s")
   progress = [line for line in lines if line.startswith("[")]
   assert len(progress) == 2 and progress[0].startswith("[#############.......] step    2/3")
@@ -108,7 +109,7 @@ def test_values_updated_in_place_are_read_as_they_were_at_their_step(tmp_path):
     norm = torch.zeros((), device=torch_xla.device())
     for step in range(1, 5):
       norm.add_(1)  # an optimizer that keeps its grad norm in one tensor
-      reads.add(step, 0.0, norm * 10, norm, 0.5)
+      reads.add(step, 0.0, norm * 10, norm, 0.5, 1.0)
       torch_xla.sync()
     reads.finish()
   assert [(r["loss"], r["grad_norm"], r["lr"]) for r in reads.rows] == [
@@ -123,7 +124,8 @@ def test_a_late_read_does_not_make_the_next_window_look_instant(tmp_path, monkey
     reads = train._Readback(config.load(["train.steps=6", "train.log_every=1"]), sink, None,
                             lambda line: None)
     for step in range(1, 7):
-      reads._write([{"step": step, "began": 0.0, "traced": 0.0, "values": {"loss": 1.0}}])
+      reads._write([{"step": step, "began": 0.0, "traced": 0.0, "host_ms": 1.0,
+                    "values": {"loss": 1.0}}])
   # after the first (compiling) read, a rate spans up to four reads
   assert [round(r["step_ms"]) for r in reads.rows] == [1000, 200, 200, 267, 200, 200]
 
@@ -134,7 +136,7 @@ def test_an_error_in_a_read_is_raised_by_finish(tmp_path):
 
   with metrics.MetricsLog(tmp_path) as sink:
     reads = train._Readback(config.load(["train.steps=1"]), sink, None, broken)
-    reads.add(1, 0.0, torch.ones((), device=torch_xla.device()), None, 0.1)
+    reads.add(1, 0.0, torch.ones((), device=torch_xla.device()), None, 0.1, 1.0)
     torch_xla.sync()
     with pytest.raises(OSError, match="disk full"):
       reads.finish()

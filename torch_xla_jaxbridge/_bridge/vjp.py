@@ -126,8 +126,12 @@ class VjpFunction(torch.autograd.Function):
       remat_policies.warn_offload_dropped("cpu")
     floats, others, mutated, saved, layout = call.call_jax(
         bridged.forward_half, (spec, diff, other, key_data), name=f"{bridged.name}_fwd")
-    ctx.saved = saved
-    ctx.save_for_backward(*[diff[i] for i in saved[0].inputs])  # torch checks their versions
+    # every tensor the backward reads is saved as torch saves (and frees after the backward,
+    # whoever still holds the graph): an attribute of ctx would keep the residuals alive, and
+    # each would become an output of the step's program; torch checks the inputs' versions
+    kept, computed = saved
+    ctx.kept, ctx.inputs = kept, len(kept.inputs)
+    ctx.save_for_backward(*[diff[i] for i in kept.inputs], *computed)
     ctx.name = bridged.name
     ctx.shardings = sharding.shardings_of(diff)
     holder.append((layout, others, mutated))
@@ -136,7 +140,9 @@ class VjpFunction(torch.autograd.Function):
   @staticmethod
   def backward(ctx, *cotangents):
     try:
-      grads = call.call_jax(backward_half, (ctx.saved, list(ctx.saved_tensors), cotangents),
+      tensors = list(ctx.saved_tensors)
+      saved = (ctx.kept, tensors[ctx.inputs:])
+      grads = call.call_jax(backward_half, (saved, tensors[:ctx.inputs], cotangents),
                             name=f"{ctx.name}_bwd")
     except errors.JaxTracingError as e:
       if not jax_private.is_while_loop_gradient_error(e):

@@ -136,6 +136,30 @@ def replace_data(tensor: torch.Tensor, new: torch.Tensor) -> None:
     _xlac()._replace_xla_tensor(tensor, new)
 
 
+def replace_data_many(tensors: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> None:
+  """`replace_data(t, new)` for each pair (an optimizer step's parameters and states).
+
+  Example:
+    >>> ts = [torch.zeros(2, device="xla") for _ in range(2)]
+    >>> replace_data_many(ts, [t + 1 for t in ts]); [t.cpu().tolist() for t in ts]
+    [[1.0, 1.0], [1.0, 1.0]]
+  """
+  replace = _xlac()._replace_xla_tensor
+  if not tensors or not torch._is_functional_tensor(tensors[0]):
+    for tensor, new in zip(tensors, news):
+      replace_data(tensor, new)
+    return
+  propagate, unwrap = torch._C._propagate_xla_data, torch._from_functional_tensor
+  commit, is_functional = torch._functionalize_commit_update, torch._is_functional_tensor
+  for tensor, new in zip(tensors, news):
+    if not is_functional(tensor):
+      replace_data(tensor, new)
+      continue
+    propagate(tensor, unwrap(new))
+    replace(tensor, new)
+    commit(tensor)
+
+
 def tensors_hlo_text(tensors: Sequence[torch.Tensor]) -> str:
   """The HLO text of the program that would compute `tensors`.
 

@@ -31,6 +31,7 @@ class TrainStep:
     self.optimizer = optimizer
     self.name = self.bridged.name
     self.fallback = fallback
+    self._groups_key = self._diff_ids = None  # what `_trained` and `_order` were made for
     self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
                                      lambda: self.bridged.traces)
 
@@ -63,7 +64,7 @@ class TrainStep:
   def _run(self, args, kwargs):
     spec.register_static_pytree()
     bridged, optimizer = self.bridged, self.optimizer
-    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trained = self._trained()
     prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
                             lambda t: id(t) in trained and t.requires_grad)
     if prepared.boxed:
@@ -76,11 +77,9 @@ class TrainStep:
           f"train_step: none of the tensors {self.name} reads (arguments, or modules and tensors "
           f"it closes over) is a parameter of the optimizer; close over the model the optimizer "
           f"trains (e.g. lambda x, y: loss(model(x), y)) or pass it as an argument.")
-    optimizer.check_params(diff, grads=False)
-    order = {id(p): i for i, p in enumerate(diff)}
-    params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in order]
+    params, positions = self._order(diff)
     states, scalars, statics = optimizer.prepare(params)
-    statics = dict(statics, positions=tuple(order[id(p)] for p in params))
+    statics = dict(statics, positions=positions)
     loss, update, (others, mutated, layout) = bridged.keyed(
         lambda key: call.call_jax(
             self._step, (prepared.spec, diff, prepared.other, key, states,
@@ -97,6 +96,26 @@ class TrainStep:
         sharding.shard_like(like, [shard] * len(like))
     optimizer.take(params, update)
     return loss
+
+  def _trained(self):
+    """The ids of the optimizer's parameters (kept while its groups stay as they are)."""
+    groups = self.optimizer.param_groups
+    key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    if self._groups_key != key:
+      self._groups_key = key
+      self._trained_ids = {id(p) for group in groups for p in group["params"]}
+    return self._trained_ids
+
+  def _order(self, diff):
+    """The optimizer's parameters among `diff` in `param_groups` order, and each one's position
+    in `diff` (kept while `diff` holds the same parameters)."""
+    ids = tuple(map(id, diff))
+    if self._diff_ids != ids:
+      self.optimizer.check_params(diff, grads=False)
+      order = {id(p): i for i, p in enumerate(diff)}
+      params = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) in order]
+      self._diff_ids, self._ordered = ids, (params, tuple(order[id(p)] for p in params))
+    return self._ordered
 
   def _step(self, spec_, diff, other, key_data, states, scalars, *, positions, **statics):
     jax = runtime.jax_module()

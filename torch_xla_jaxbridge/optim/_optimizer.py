@@ -13,6 +13,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import call
+from torch_xla_jaxbridge.optim._plan import Plan, make_plan
 from torch_xla_jaxbridge.optim._state import TorchLayout
 from torch_xla_jaxbridge.optim._step import apply_rule
 
@@ -45,7 +46,7 @@ class RuleOptimizer(TorchLayout):
     self.max_grad_norm = max_grad_norm
     self.grad_norm: Optional[torch.Tensor] = None
     self._update: Optional[Callable[[], Any]] = None  # `step_running`'s, for one step()
-    self._pending = []
+    self._plan: Optional[Plan] = None  # `prepare`'s, committed by `take`
 
   @torch.no_grad()
   def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -119,34 +120,23 @@ class RuleOptimizer(TorchLayout):
   def prepare(self, params: list) -> tuple:
     """For one step of `params` (in `param_groups` order, each with a gradient): their state
     dicts of XLA tensors (zeros on a parameter's first step), the step's scalars (a CPU float32
-    tensor: each parameter's hyperparameters, then max_grad_norm) and `apply_rule`'s static
+    tensor: each row's hyperparameters, then max_grad_norm) and `apply_rule`'s static
     arguments. Changes nothing until `take` commits it (new states, step counts), so a step that
     fails in between leaves the optimizer as it was. `jb.train_step` calls it too."""
-    rule, selected = self.rule, {id(p) for p in params}
-    states: list[dict] = []
+    rule = self.rule
+    signature = tuple(tuple(sorted(rule.options(g).items())) for g in self.param_groups)
+    ids = tuple(map(id, params))
+    if self._plan is None or not self._plan.fits(ids, signature):
+      self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
+                             self.init_state)
+    plan = self._plan
     scalars: list[float] = []
-    options: list[dict] = []
     names: tuple = ()
-    pending: list = []
-    self._pending = pending
-    for group in self.param_groups:
-      group_options = rule.options(group)
-      for p in group["params"]:
-        if id(p) not in selected:
-          continue
-        state = self.state.get(p) or {}
-        first = not state
-        if first:
-          state = self.init_state(p, group_options)
-        step = float(state["step"]) + 1 if rule.counts_steps else 1.0
-        pending.append((p, state if first else None, step))
-        hyper = rule.hyperparameters(group, step)
-        names = names or tuple(hyper)
-        scalars.extend(hyper[n] for n in names)
-        options.append({**group_options, "first": first} if rule.first_step_differs else
-                       group_options)
-        states.append({k: v for k, v in state.items() if k != "step"})
+    for row in plan.rows:
+      hyper = rule.hyperparameters(row.group, row.step + 1 if rule.counts_steps else 1.0)
+      names = names or tuple(hyper)
+      scalars.extend(hyper[n] for n in names)
     scalars.append(float(self.max_grad_norm or 0.0))
-    statics = dict(rule=rule, names=names, options=tuple(options),
-                   clip=self.max_grad_norm is not None)
-    return states, torch.tensor(scalars, dtype=torch.float32), statics
+    statics = dict(rule=rule, names=names, options=tuple(row.options for row in plan.rows),
+                   rows=plan.row_of, clip=self.max_grad_norm is not None)
+    return plan.states, torch.tensor(scalars, dtype=torch.float32), statics

@@ -1,7 +1,10 @@
 """The state of a one-node optimizer kept in torch's layout and updated in place."""
+from typing import Optional
+
 import torch
 
 from torch_xla_jaxbridge._compat import torch_xla_private
+from torch_xla_jaxbridge.optim._plan import Plan
 from torch_xla_jaxbridge.optim._rule import Rule
 
 
@@ -11,17 +14,7 @@ class TorchLayout(torch.optim.Optimizer):
   place (written over their old buffers), so `state_dict()` loads into torch's optimizers and
   back and holders of it see later steps. Subclasses set `rule`."""
   rule: Rule
-  _pending: list  # `prepare`'s (parameter, its new state or None, its step), for `take`
-
-  def __setstate__(self, state: dict) -> None:
-    super().__setstate__(state)
-    self.__dict__.setdefault("_update", None)
-    for group in self.param_groups:  # a state dict of another optimizer may lack some
-      for key, value in self.defaults.items():
-        group.setdefault(key, value)
-    for p_state in self.state.values():  # our own CPU count, whatever the loaded one was
-      if "step" in p_state:
-        p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+  _plan: Optional[Plan]  # the step `prepare` made, committed by `take`
 
   def state_dict(self) -> dict:
     """torch's layout; step counts are copies (a consumer that increments its steps in place, as
@@ -54,25 +47,39 @@ class TorchLayout(torch.optim.Optimizer):
     return state
 
   def take(self, params: list, results: tuple) -> None:
-    """Commits the step `prepare` made: new states and step counts are kept, parameters and
+    """Commits the step `prepare` planned: new states and step counts are kept, parameters and
     states take the values `apply_rule` returned (in place); sets `grad_norm`."""
     new_params, new_states, self.grad_norm = results
-    for p, created, step in self._pending:
+    plan = self._plan
+    for p, created in plan.created:
       if created:
         self.state[p] = created
-      if self.rule.counts_steps:
-        self.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
-    self._pending = []
-    for p, new in zip(params, new_params):
-      torch_xla_private.replace_data(p, new)
-    torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
-    for p, new_state in zip(params, new_states):
-      if not new_state:
-        continue
-      state = self.state[p]
+    for row in plan.rows:
+      row.step += 1
+      if row.step_tensor is not None:
+        row.step_tensor.fill_(row.step)
+    if plan.created:
+      self._plan = None  # the next step reads the new states (and is no longer the first)
+    olds, news = list(params), list(new_params)
+    for p, state, new_state in zip(params, plan.states, new_states):
       for key, new in new_state.items():
         old = state.get(key)
         if old is None or not old.is_xla or old.shape != new.shape or old.dtype != new.dtype:
-          state[key] = new
+          self.state[p][key] = new  # a state not on the device yet: the new value is it
+          self._plan = None
         else:
-          torch_xla_private.replace_data(old, new)
+          olds.append(old)
+          news.append(new)
+    torch_xla_private.replace_data_many(olds, news)
+    torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
+
+  def __setstate__(self, state: dict) -> None:
+    super().__setstate__(state)
+    self.__dict__["_plan"] = None
+    self.__dict__.setdefault("_update", None)
+    for group in self.param_groups:  # a state dict of another optimizer may lack some
+      for key, value in self.defaults.items():
+        group.setdefault(key, value)
+    for p_state in self.state.values():  # our own CPU count, whatever the loaded one was
+      if "step" in p_state:
+        p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)

@@ -1,5 +1,5 @@
 """The step of a rule over every parameter, as one JAX function: global norm, clipping, updates."""
-from typing import Any
+from typing import Any, Optional
 
 from torch_xla_jaxbridge._core import runtime
 from torch_xla_jaxbridge.optim._rule import Rule
@@ -13,11 +13,11 @@ def _sum_of_squares(jnp, g):
 
 
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
-               names: tuple, options: tuple, clip: bool) -> tuple:
+               names: tuple, options: tuple, clip: bool, rows: Optional[tuple] = None) -> tuple:
   """New parameters, new states and the gradients' global 2-norm (before clipping) after one
-  step of `rule`. `scalars` (float32): per parameter the values of `names` (its
-  hyperparameters), then the clipping norm; `options` per parameter; with `clip` the gradients
-  are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
+  step of `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
+  the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
+  with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
 
   Example:
     >>> import jax.numpy as jnp
@@ -36,11 +36,12 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   if clip:
     scale = jnp.minimum(scalars[-1] / (grad_norm + 1e-6), 1.0)
     grads = [(g if jnp.iscomplexobj(g) else g.astype(jnp.float32)) * scale for g in grads]
-  rows = scalars[:-1].reshape(len(params), len(names))
+  rows = rows if rows is not None else tuple(range(len(params)))
+  table = scalars[:-1].reshape(len(options), len(names))
+  hypers = [{name: table[r, k] for k, name in enumerate(names)} for r in range(len(options))]
   new_params, new_states = [], []
   for i, (p, g, state) in enumerate(zip(params, grads, states)):
-    hyper = {name: rows[i, k] for k, name in enumerate(names)}
-    new_p, new_state = rule.update(p, g, state, hyper, options[i])
+    new_p, new_state = rule.update(p, g, state, hypers[rows[i]], options[rows[i]])
     new_params.append(new_p.astype(p.dtype))
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})

@@ -187,10 +187,13 @@ def _train(cfg, out, found, log):
   with metrics.MetricsLog(out, append=found is not None) as sink:
     reads = _Readback(cfg, sink, peak, log)
     # The loader's next() calls torch_xla.sync(): a step runs while the next one is traced.
+    # Host time of a step: this thread's CPU time from the end of the previous step's body
+    # (the loader's sync that dispatches a graph, then tracing the step), checkpoints left out.
+    host = time.thread_time()
     for step, (inputs, targets) in enumerate(loader, start + 1):
       began = time.perf_counter()
       loss, grad_norm, lr = step_fn(inputs, targets, schedule)
-      reads.add(step, began, loss, grad_norm, lr)
+      reads.add(step, began, loss, grad_norm, lr, (time.thread_time() - host) * 1e3)
       if t["sync_each_step"]:
         torch_xla.sync()
         loss.item()  # the host waits for the device
@@ -199,6 +202,7 @@ def _train(cfg, out, found, log):
         checkpoint.save(out / "checkpoints", step, model, optimizer, run_config=cfg)
         if t["keep_checkpoints"]:  # older ones go only once this one is committed
           checkpoint.prune(out / "checkpoints", t["keep_checkpoints"], step)
+      host = time.thread_time()
     reads.finish()
   _summary(cfg, out, reads, before, log, model if mesh is not None else None)
   return [row["loss"] for row in reads.rows]
@@ -226,11 +230,12 @@ class _Readback:
     # the next (a window alone then showed 0.1 ms steps next to 40 ms ones)
     self.recent = collections.deque(maxlen=_RATE_READS + 1)
 
-  def add(self, step, began, loss, grad_norm, lr):
+  def add(self, step, began, loss, grad_norm, lr, host_ms):
     """Keeps step `step`'s values (a copy in this step's graph of those an optimizer may update in
     place) and, every `log_every` steps and at the last, queues the closure that reads them."""
     snapshot = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
     self.window.append({"step": step, "began": began, "traced": time.perf_counter(),
+                        "host_ms": host_ms,
                         "values": {"loss": loss.detach(), "grad_norm": snapshot(grad_norm),
                                    "lr": snapshot(lr)}})
     if step % self.every == 0 or step == self.steps:
@@ -278,7 +283,7 @@ class _Readback:
       self.recent.append((done, len(window)))
       step_s = (done - self.recent[0][0]) / sum(steps for _, steps in list(self.recent)[1:])
     rows = [{"step": entry["step"], **value, "step_ms": step_s * 1e3,
-             "trace_ms": (entry["traced"] - entry["began"]) * 1e3,
+             "trace_ms": (entry["traced"] - entry["began"]) * 1e3, "host_ms": entry["host_ms"],
              "tokens_per_s": self.tokens / step_s,
              "began_s": entry["began"] - self.origin, "traced_s": entry["traced"] - self.origin}
             for entry, value in zip(window, values)]
@@ -350,7 +355,7 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
       "residual_bytes_per_layer": residuals.total_bytes,
       "residual_host_bytes_per_layer": residuals.host_bytes,
       "flops_per_token": reads.flops, "peak_flops": reads.peak,
-      "step_ms": median("step_ms"), "trace_ms": median("trace_ms"),
+      "step_ms": median("step_ms"), "trace_ms": median("trace_ms"), "host_ms": median("host_ms"),
       "tokens_per_s": median("tokens_per_s"),
       "mfu": median("mfu") if reads.peak is not None and steady else None,
       "overlap_ms": statistics.median(overlaps) if overlaps else None,
@@ -369,6 +374,7 @@ def _summary(cfg, out, reads, before, log, sharded_model=None):
                f"{summary['overlap_ms']:.1f} ms (median)" if summary["overlap_ms"] is not None
                else "")
     log(f"median step {summary['step_ms']:.1f} ms, trace {summary['trace_ms']:.1f} ms, "
+        f"host {summary['host_ms']:.1f} ms CPU, "
         f"{summary['tokens_per_s']:.0f} tok/s{mfu}{overlap}")
 
 

@@ -1,0 +1,85 @@
+"""What one optimizer step needs besides the gradients, kept from step to step.
+
+Parameters of one group at one step count share their hyperparameters: a `Row`. A `Plan` maps
+each parameter of a step onto its row and holds the state tensors the step reads, so a step
+costs Python work per row (the hyperparameters, read on the host) and not per parameter; it is
+made again only when the parameters, their groups' static options or the state change. A row's
+parameters share one `step` tensor (torch's CPU count, updated in place as torch does).
+"""
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from torch_xla_jaxbridge.optim._rule import Rule
+
+
+@dataclasses.dataclass
+class Row:
+  """Parameters of one group at one step count (and first step or not)."""
+  group: dict
+  step: float  # the count before this step (0 for new parameters)
+  first: bool  # the step that makes these parameters' state
+  options: dict  # the rule's static options for them
+  step_tensor: Optional[torch.Tensor]  # shared by the row's parameters (rules that count steps)
+
+
+@dataclasses.dataclass
+class Plan:
+  """The rows and states of the parameters `ids` (in `param_groups` order).
+
+  Example:
+    >>> plan = Plan(ids=(), signature=(), rows=[], row_of=(), states=[], created=[])
+    >>> plan.fits((), ())
+    True
+  """
+  ids: tuple  # id of each parameter
+  signature: tuple  # each group's static options when the plan was made
+  rows: list
+  row_of: tuple  # each parameter's row
+  states: list  # each parameter's state tensors read by the rule (not its step)
+  created: list  # (parameter, state) made by this plan, kept when its step is committed
+
+  def fits(self, ids: tuple, signature: tuple) -> bool:
+    """Whether the plan serves a step of the parameters `ids` under these group options."""
+    return not self.created and ids == self.ids and signature == self.signature
+
+
+def make_plan(rule: Rule, groups: list, state: Any, params: list, signature: tuple,
+              init_state: Any) -> Plan:
+  """The plan of a step of `params` (each in one of `groups`, in their order): each parameter's
+  row by (group, step count, first step), states read from `state` or made by
+  `init_state(p, options)` for a parameter without one.
+
+  Example:
+    >>> from torch_xla_jaxbridge.optim._sgd import SGD
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = SGD([p], lr=0.1)
+    >>> plan = make_plan(SGD.rule, opt.param_groups, opt.state, [p], (), opt.init_state)
+    >>> len(plan.rows), plan.rows[0].first
+    (1, True)
+  """
+  selected = {id(p) for p in params}
+  rows, by_key, row_of, states, created = [], {}, [], [], []
+  for index, group in enumerate(groups):
+    options = rule.options(group)
+    for p in group["params"]:
+      if id(p) not in selected:
+        continue
+      found = state.get(p) or {}
+      first = not found
+      if first:
+        found = init_state(p, options)
+        created.append((p, found))
+      step = float(found["step"]) if rule.counts_steps else 0.0
+      key = (index, step, first)
+      if key not in by_key:
+        by_key[key] = len(rows)
+        shared = torch.tensor(step, dtype=torch.float32) if rule.counts_steps else None
+        rows.append(Row(group, step, first, {**options, "first": first} if
+                        rule.first_step_differs else options, shared))
+      row_of.append(by_key[key])
+      if rule.counts_steps:
+        found["step"] = rows[by_key[key]].step_tensor  # one tensor, updated in place, a row
+      states.append({k: v for k, v in found.items() if k != "step"})
+  return Plan(tuple(map(id, params)), signature, rows, tuple(row_of), states, created)

@@ -48,9 +48,41 @@ def _t5(layerdrop=0.0):
       decoder_start_token_id=0, dropout_rate=0.0))
 
 
+def _pegasus(layerdrop=0.0):
+  return tf.PegasusForConditionalGeneration(tf.PegasusConfig(
+      vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+      decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+      max_position_embeddings=64, encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop,
+      **_NO_DROPOUT))
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4)
+_MORE = {  # (config class, model class, config keywords beyond _SMALL)
+    "electra": (tf.ElectraConfig, tf.ElectraForMaskedLM, dict(
+        embedding_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(
+        intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64,
+        hidden_dropout=0.0, attention_dropout=0.0)),
+    "bloom": (tf.BloomConfig, tf.BloomForCausalLM, dict(n_layer=2, hidden_dropout=0.0,
+                                                        attention_dropout=0.0)),
+    "falcon": (tf.FalconConfig, tf.FalconForCausalLM, dict(num_hidden_layers=2, hidden_dropout=0.0,
+                                                           attention_dropout=0.0)),
+}
+
+
+def _distilbert(layerdrop=0.0):
+  return tf.DistilBertForMaskedLM(tf.DistilBertConfig(
+      vocab_size=VOCAB, dim=32, hidden_dim=48, n_layers=2, n_heads=4, max_position_embeddings=64,
+      dropout=0.0, attention_dropout=0.0))
+
+
 # name -> (model maker, what the labels are)
 MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "qwen3": (_qwen3, "lm"),
-          "roberta": (_roberta, "class"), "t5": (_t5, "seq2seq")}
+          "roberta": (_roberta, "class"), "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"),
+          "distilbert": (_distilbert, "lm"),
+          **{name: (lambda layerdrop=0.0, c=c, m=m, kw=kw: m(c(**_SMALL, **kw)), "lm")
+             for name, (c, m, kw) in _MORE.items()}}
 
 
 def batch(name, padding="right"):

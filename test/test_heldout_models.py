@@ -21,7 +21,9 @@ def step_row():
 @pytest.mark.parametrize("name, padding", [
     ("qwen3", "left"), pytest.param("roberta", "right", marks=pytest.mark.slow),
     pytest.param("qwen3", "right", marks=pytest.mark.slow),
-    pytest.param("t5", "right", marks=pytest.mark.slow)])
+    pytest.param("t5", "right", marks=pytest.mark.slow),
+    *[pytest.param(name, "right", marks=pytest.mark.slow)
+      for name in ("distilbert", "electra", "gpt_neox", "bloom", "falcon")]])
 def test_the_whole_step_stays_one_node_with_an_attention_mask(name, padding):
   """transformers asks whether it is being traced before reading the mask's values: inside
   bridged code it is told yes, as under torch.compile, so the step needs no fallback."""
@@ -31,7 +33,8 @@ def test_the_whole_step_stays_one_node_with_an_attention_mask(name, padding):
   assert step_row().status == "bridged"
 
 
-@pytest.mark.parametrize("name", ["bart", pytest.param("opt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["bart", pytest.param("opt", marks=pytest.mark.slow),
+                                  pytest.param("pegasus", marks=pytest.mark.slow)])
 def test_layerdrop_falls_back_around_the_layers_and_keeps_the_values(name):
   """BART and OPT draw a random number per layer to steer Python (LayerDrop; with probability 0
   the draw still happens): the step runs as LazyTensor glue around bridged layers."""

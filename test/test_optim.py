@@ -326,3 +326,26 @@ def test_the_docs_table_lists_every_optimizer():
   text = (pathlib.Path(__file__).parents[1] / "docs" / "optim.md").read_text()
   rows = re.findall(r"^\| `(\w+)` \| `jb\.optim\.(\w+)` \|", text, re.M)
   assert rows == [(name, cls.__name__) for name, cls in jb.optim.optimizers().items()]
+
+
+@pytest.mark.parametrize("change", ["replace a moment", "clear the state"])
+def test_a_state_changed_between_steps_is_used_as_torch_uses_it(dev, change):
+  """The optimizer keeps its step plan from step to step: a state the user replaced or cleared
+  makes a new plan, never a silently ignored change."""
+  results = []
+  for make in (jb.optim.AdamW, torch.optim.AdamW):
+    model = mlp(dev)
+    opt = make(model.parameters(), lr=0.1)
+    for step in range(3):
+      opt.zero_grad()
+      model(torch.ones(2, 6, device=dev)).square().mean().backward()
+      opt.step()
+      torch_xla.sync()
+      if step == 1 and change == "replace a moment":
+        p = next(model.parameters())
+        opt.state[p]["exp_avg"] = torch.full_like(p, 0.5)
+      elif step == 1:
+        opt.state.clear()
+    results.append([p.detach().cpu() for p in model.parameters()])
+  for a, b in zip(*results):
+    torch.testing.assert_close(a, b)

@@ -54,13 +54,13 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
         f"call_jax: jax_func is a {type(jax_func).__name__} ({jax_func!r:.60}); expected the JAX "
         f"function to call, e.g. jb.call_jax(lambda x: jnp.sin(x), (tensor,)).")
   leaves, treedef = _jax.tree.flatten((args, kwargs))
-  traced_type = tracing.torchax_tensor_type()
-  if traced_type is not None and any(isinstance(leaf, traced_type) for leaf in leaves):
-    return _inline(jax_func, leaves, treedef, (args, kwargs), name)
+  traced_type = tracing.torchax_tensor_type() or ()
   tensors = []
   statics = []
-  for leaf in leaves:
+  for leaf in leaves:  # one pass: the host time of a step grows with its tensors
     if isinstance(leaf, torch.Tensor):
+      if isinstance(leaf, traced_type):
+        return _inline(jax_func, leaves, treedef, (args, kwargs), name)
       tensors.append(leaf)
       statics.append(_TENSOR)
     else:

@@ -121,30 +121,32 @@ class StateWalk:
     self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(torch_private.parameters_table(sub)),
                      tuple(torch_private.buffers_table(sub)), tuple(torch_private.children_table(sub).items())) for prefix, sub in named]
 
-  def _unchanged(self):
-    for _, ref, param_keys, buffer_keys, submodules in self.entries:
-      sub = ref()
-      if (tuple(torch_private.parameters_table(sub)) != param_keys or tuple(torch_private.buffers_table(sub)) != buffer_keys or
-          tuple(torch_private.children_table(sub).items()) != submodules):
-        return False
-    return True
-
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
     tied between two submodules is passed under both names (its gradient sums over the uses in
     torch's backward)."""
-    if not self._unchanged():
+    found = self._read()
+    if found is None:  # a parameter, buffer or submodule entry changed: walk again
       self._walk()
+      found = self._read()
+    return found
+
+  def _read(self):
+    """`state()` from the walk, or None where a submodule's entries are not the walk's (read in
+    the same pass: a step's host time grows with the submodules)."""
     params, buffers, training = {}, {}, []
-    for prefix, sub, param_keys, buffer_keys, _ in self.entries:
-      sub = sub()
+    parameters_table, buffers_table = torch_private.parameters_table, torch_private.buffers_table
+    for prefix, ref, param_keys, buffer_keys, submodules in self.entries:
+      sub = ref()
+      table, held = parameters_table(sub), buffers_table(sub)
+      if (tuple(table) != param_keys or tuple(held) != buffer_keys or
+          tuple(torch_private.children_table(sub).items()) != submodules):
+        return None
       training.append(sub.training)
-      for key in param_keys:
-        value = torch_private.parameters_table(sub)[key]
+      for key, value in table.items():
         if value is not None:
           params[prefix + key] = value
-      for key in buffer_keys:
-        value = torch_private.buffers_table(sub)[key]
+      for key, value in held.items():
         if value is not None:
           buffers[prefix + key] = value
     return params, buffers, tuple(training)

@@ -125,8 +125,7 @@ class RuleOptimizer(TorchLayout):
     fails in between leaves the optimizer as it was. `jb.train_step` calls it too."""
     rule = self.rule
     signature = tuple(tuple(sorted(rule.options(g).items())) for g in self.param_groups)
-    ids = tuple(map(id, params))
-    if self._plan is None or not self._plan.fits(ids, signature):
+    if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
                              self.init_state)
     plan = self._plan

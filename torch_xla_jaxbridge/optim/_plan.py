@@ -30,7 +30,7 @@ class Plan:
 
   Example:
     >>> plan = Plan(ids=(), signature=(), rows=[], row_of=(), states=[], created=[])
-    >>> plan.fits((), ())
+    >>> plan.fits([], (), {})
     True
   """
   ids: tuple  # id of each parameter
@@ -39,10 +39,22 @@ class Plan:
   row_of: tuple  # each parameter's row
   states: list  # each parameter's state tensors read by the rule (not its step)
   created: list  # (parameter, state) made by this plan, kept when its step is committed
+  targets: Optional[list] = None  # the parameters and states a step replaces, once checked
 
-  def fits(self, ids: tuple, signature: tuple) -> bool:
-    """Whether the plan serves a step of the parameters `ids` under these group options."""
-    return not self.created and ids == self.ids and signature == self.signature
+  def fits(self, params: list, signature: tuple, state: Any) -> bool:
+    """Whether the plan serves a step of `params` under these group options, with the
+    optimizer's `state` still holding the plan's tensors (a state the user replaced or cleared
+    makes a new plan, never a silently ignored change)."""
+    if self.created or signature != self.signature or tuple(map(id, params)) != self.ids:
+      return False
+    for p, kept, row in zip(params, self.states, self.row_of):
+      found = state.get(p) or {}
+      if found.get("step") is not self.rows[row].step_tensor:
+        return False
+      for key, tensor in kept.items():
+        if found.get(key) is not tensor:
+          return False
+    return True
 
 
 def make_plan(rule: Rule, groups: list, state: Any, params: list, signature: tuple,

@@ -60,17 +60,23 @@ class TorchLayout(torch.optim.Optimizer):
         row.step_tensor.fill_(row.step)
     if plan.created:
       self._plan = None  # the next step reads the new states (and is no longer the first)
-    olds, news = list(params), list(new_params)
-    for p, state, new_state in zip(params, plan.states, new_states):
-      for key, new in new_state.items():
-        old = state.get(key)
-        if old is None or not old.is_xla or old.shape != new.shape or old.dtype != new.dtype:
-          self.state[p][key] = new  # a state not on the device yet: the new value is it
-          self._plan = None
-        else:
-          olds.append(old)
-          news.append(new)
-    torch_xla_private.replace_data_many(olds, news)
+    if plan.targets is not None:  # checked at an earlier step of this plan: same tensors
+      news = list(new_params) + [new for new_state in new_states for new in new_state.values()]
+      torch_xla_private.replace_data_many(plan.targets, news)
+    else:
+      olds, news = list(params), list(new_params)
+      for p, state, new_state in zip(params, plan.states, new_states):
+        for key, new in new_state.items():
+          old = state.get(key)
+          if old is None or not old.is_xla or old.shape != new.shape or old.dtype != new.dtype:
+            self.state[p][key] = new  # a state not on the device yet: the new value is it
+            self._plan = None
+          else:
+            olds.append(old)
+            news.append(new)
+      torch_xla_private.replace_data_many(olds, news)
+      if self._plan is plan:
+        plan.targets = olds
     torch.autograd.graph.increment_version(params)  # in-place updates, as far as autograd knows
 
   def __setstate__(self, state: dict) -> None:

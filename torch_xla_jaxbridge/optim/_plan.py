@@ -72,7 +72,11 @@ def make_plan(rule: Rule, groups: list, state: Any, params: list, signature: tup
     (1, True)
   """
   selected = {id(p) for p in params}
-  rows, by_key, row_of, states, created = [], {}, [], [], []
+  rows: list[Row] = []
+  by_key: dict = {}
+  row_of: list[int] = []
+  states: list[dict] = []
+  created: list[tuple] = []
   for index, group in enumerate(groups):
     options = rule.options(group)
     for p in group["params"]:

@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_xla_private
 from torch_xla_jaxbridge.optim._plan import Plan
 from torch_xla_jaxbridge.optim._rule import Rule
@@ -51,6 +52,8 @@ class TorchLayout(torch.optim.Optimizer):
     states take the values `apply_rule` returned (in place); sets `grad_norm`."""
     new_params, new_states, self.grad_norm = results
     plan = self._plan
+    if plan is None:
+      raise errors.UsageError("take() commits the step that prepare() planned: call prepare() first")
     for p, created in plan.created:
       if created:
         self.state[p] = created

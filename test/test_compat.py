@@ -279,3 +279,47 @@ def test_hlo_text_round_trips_through_the_proto():
   proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
   again = jax_private.hlo_proto_from_text(jax_private.hlo_text(proto))
   assert jax_private.cpu_compiled_memory(again).output_size_in_bytes == 12
+
+
+_COMPAT_LIB = torch.library.Library("jbcompat", "DEF")
+_COMPAT_LIB.define("doubled(Tensor x) -> Tensor")
+_COMPAT_LIB.impl("doubled", lambda x: x * 2, "XLA")
+
+
+@torch.library.custom_op("jbcompat::halved", mutates_args=())
+def _halved(x: torch.Tensor) -> torch.Tensor:
+  return x / 2
+
+
+_halved.register_autograd(lambda ctx, grad: grad / 2)
+
+
+def test_custom_op_readers():
+  assert torch_private.op_namespace(torch.ops.jbcompat.doubled) == "jbcompat"
+  assert torch_private.has_kernel("jbcompat::doubled", "XLA")
+  assert not torch_private.has_kernel("jbcompat::doubled", "CPU")
+  x = torch.ones(2, device="xla")
+  out = torch.ops.jbcompat.doubled.default.redispatch(torch_private.dispatch_key_set("XLA"), x)
+  assert out.cpu().tolist() == [2.0, 2.0]
+  assert torch_private.is_op(torch.ops.jbcompat.doubled) and not torch_private.is_op(torch.mul)
+  assert torch_private.overload_of(torch.ops.jbcompat.doubled, (x,), {}) is (
+      torch.ops.jbcompat.doubled.default)
+  assert torch_private.custom_op_definition("jbcompat::doubled") is None
+  implementation, setup, backward = torch_private.custom_op_parts(
+      torch_private.custom_op_definition("jbcompat::halved"))
+  assert implementation(torch.ones(1)).item() == 0.5 and setup is None
+  assert backward(None, torch.ones(1)).item() == 0.5
+
+
+def test_torchax_operator_not_found_and_dispatch_mode():
+  import torchax.tensor
+
+  import torchax.config
+
+  env = torchax_private.environment_class(print)(torchax.config.Configuration())  # not the shared one
+  with pytest.raises(torchax_private.operator_not_found()):
+    env.dispatch(torch.ops.jbcompat.doubled.default, (), (torchax.tensor.Tensor(
+        jax.numpy.ones(2), env),), {})
+  with torchax_private.dispatch_mode(env):
+    t = torchax.tensor.Tensor(jax.numpy.ones(2), env)
+    assert torch.ops.aten.mul.Tensor(t, t).jax().tolist() == [1.0, 1.0]

@@ -113,7 +113,7 @@ def test_bad_overrides_are_refused(overrides, message):
 
 
 def test_an_override_returning_a_torch_tensor_is_an_error(x):
-  with pytest.raises(jb.errors.BridgeError, match="returned a Tensor; an override returns JAX "
+  with pytest.raises(jb.errors.BridgeError, match="returned a Tensor; a lowering returns JAX "
                                                   "arrays"):
     with jb.override_ops({F.gelu: lambda t, approximate="none": torch.ones(6)}):
       jb.bridge(F.gelu)(x)

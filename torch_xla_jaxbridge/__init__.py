@@ -43,6 +43,7 @@ from torch_xla_jaxbridge._core.lowering import cache_info as cache_info  # noqa:
 from torch_xla_jaxbridge._core.lowering import clear_cache as clear_cache  # noqa: E402
 from torch_xla_jaxbridge._integrations.control_flow import fori_loop as fori_loop  # noqa: E402
 from torch_xla_jaxbridge._integrations.overrides import override_ops as override_ops  # noqa: E402
+from torch_xla_jaxbridge._integrations.overrides import register_lowering as register_lowering  # noqa: E402,E501
 from torch_xla_jaxbridge._interop import dynamo_backend as _dynamo_backend  # noqa: E402
 from torch_xla_jaxbridge._interop.custom_op import jax_op as jax_op  # noqa: E402
 from torch_xla_jaxbridge._interop.jaxify import jaxify as jaxify  # noqa: E402
@@ -53,7 +54,7 @@ from torch_xla_jaxbridge._training.train_step import train_step as train_step  #
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info",
            "clear_cache", "CacheInfo", "Remat", "checkpoint_name", "saved_residuals",
            "lower_bridged", "memory_report", "MemoryReport", "scan_layers", "StackedLayers",
-           "fori_loop", "jaxify", "jax_op", "override_ops", "train_step", "errors", "dlpack",
+           "fori_loop", "jaxify", "jax_op", "override_ops", "register_lowering", "train_step", "errors", "dlpack",
            "optim", "spmd", "remat", "flash_attention", "bridge_modules", "bridge_report",
            "BridgeReport"]
 

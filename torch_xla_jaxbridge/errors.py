@@ -42,6 +42,12 @@ class ControlFlowError(BridgeError):
   """Bridged control flow that cannot do what was asked (e.g. a gradient through a while loop)."""
 
 
+class NoLoweringError(BridgeError):
+  """Bridged code called something the bridge cannot convert to JAX: a custom op with neither a
+  registered lowering nor a traceable implementation, or an autograd Function that changes its
+  inputs in place."""
+
+
 class UsageError(BadArgumentError):
   """A call the package refuses whatever the mode: no fallback to plain LazyTensor code helps
   (a training step whose loss is not a scalar, an optimizer `train_step` cannot run, a bad

@@ -109,3 +109,36 @@ def wrap_dispatch(env: Any, wrapper: Callable) -> None:
   original = env.dispatch
   env.dispatch = lambda func, types, args=(), kwargs=None: wrapper(original, func, types, args,
                                                                     kwargs)
+
+
+def operator_not_found() -> type:
+  """torchax's exception for an op it has no lowering for (raised by `env.dispatch`); the bridge
+  catches it to run custom ops itself. If it moves, custom ops fall back to LazyTensor code.
+
+  Example:
+    >>> operator_not_found().__name__
+    'OperatorNotFound'
+  """
+  import torchax.tensor
+
+  return torchax.tensor.OperatorNotFound
+
+
+def dispatch_mode(env: Any) -> Any:
+  """A context that turns on torchax's dispatch mode of `env` (aten ops on torchax tensors become
+  JAX) unless it is on already: inside its own handler torch turns it off, and a custom op's
+  kernel called from there must still be traced. torchax itself enters `env._dispatch_mode` so
+  for the ops it decomposes. If it is renamed, custom ops called below the aten level (from
+  another op's kernel) fall back to LazyTensor code.
+
+  Example:
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> with dispatch_mode(tracing.environment()):
+    ...   pass
+  """
+  import contextlib
+
+  from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+  mode = env._dispatch_mode
+  return contextlib.nullcontext() if mode in _get_current_dispatch_mode_stack() else mode

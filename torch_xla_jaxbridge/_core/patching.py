@@ -6,6 +6,7 @@ at least one thread is inside it (a lock and a depth counter, so nested and conc
 install and restore once) and tells each replacement whether the calling thread is inside, so
 other threads keep the original behaviour.
 """
+import inspect
 import threading
 from typing import Callable
 
@@ -66,18 +67,23 @@ class Patch:
     owners = [o for o in self._owners() if o is not None]
     self._installed_on = owners
     for name in self._replacements:  # the first owner's value is the original
-      self._originals[name] = getattr(owners[0], name, _MISSING) if owners else _MISSING
+      self._originals[name] = _stored(owners[0], name) if owners else _MISSING
     for owner in owners:
       for name, replacement in self._replacements.items():
-        if getattr(owner, name, _MISSING) is self._originals[name]:
+        if _stored(owner, name) is self._originals[name]:
           setattr(owner, name, replacement)
 
   def _restore(self):
     for owner in self._installed_on:
       for name, replacement in self._replacements.items():
-        if getattr(owner, name, _MISSING) is replacement:
+        if _stored(owner, name) is replacement:
           if self._originals[name] is _MISSING:
             delattr(owner, name)
           else:
             setattr(owner, name, self._originals[name])
     self._installed_on = []
+
+
+def _stored(owner, name):
+  """The value stored under `name` (a class's classmethod object itself, not a bound method)."""
+  return inspect.getattr_static(owner, name, _MISSING)

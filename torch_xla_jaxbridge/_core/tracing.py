@@ -208,6 +208,54 @@ def _new_scope():
     _SCOPE.caches = saved
 
 
+@contextlib.contextmanager
+def _flag(name):
+  saved = getattr(_SCOPE, name, False)
+  setattr(_SCOPE, name, True)
+  try:
+    yield
+  finally:
+    setattr(_SCOPE, name, saved)
+
+
+def _with_thread_key(jax):
+  """The environment, with this thread's default random key made: torchax's properties are per
+  thread and made on first use, which inside a trace would keep a traced value."""
+  env = environment()
+  with jax.ensure_compile_time_eval():
+    torchax_private.current_key(env)
+  return env
+
+
+@contextlib.contextmanager
+def torch_code():
+  """Inside the block, torch ops on torchax tensors are traced as `run_torch` traces them (the
+  environment, every registered trace context): for torch code that a JAX rule runs, such as an
+  autograd Function's backward inside a `custom_vjp`, or its forward traced again for remat.
+  Nested blocks in one thread change nothing.
+
+  Example:
+    >>> with torch_code():
+    ...   (to_torchax(runtime.jax_module().numpy.ones(2)) * 2).jax().tolist()
+    [2.0, 2.0]
+  """
+  if getattr(_SCOPE, "in_torch_code", False):  # already inside: the modes are on
+    yield
+    return
+  jax = runtime.jax_module()
+  env = _with_thread_key(jax)
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(threads.TRACING)
+    stack.enter_context(_flag("in_torch_code"))
+    stack.enter_context(env)
+    stack.enter_context(_new_scope())
+    # softmax's gradient from its output alone, as torch's: the rule saves no exp and no sums
+    stack.enter_context(jax.softmax_custom_jvp(True))
+    for factory in _TRACE_CONTEXTS:
+      stack.enter_context(factory())
+    yield
+
+
 def run_torch(fn, key_data, args, kwargs, *, fn_name):
   """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
 
@@ -225,9 +273,7 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   jax = runtime.jax_module()
   import torchax.tensor
 
-  env = environment()
-  with jax.ensure_compile_time_eval():  # a thread's first use makes its default key (torchax's
-    torchax_private.current_key(env)   # properties are per thread): a constant, not a traced value
+  env = _with_thread_key(jax)
   leaves, treedef = jax.tree.flatten((args, kwargs))
   tensors = {}  # one torchax tensor per array: an in-place update through one place shows in all
   wrapped = [tensors.setdefault(id(x), torchax.tensor.Tensor(x, env))
@@ -239,12 +285,7 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
       stack.enter_context(threads.TRACING)  # the environment's key is set per trace
       if prng is not None:
         stack.enter_context(env.override_property(prng=prng))
-      stack.enter_context(env)
-      stack.enter_context(_new_scope())
-      # softmax's gradient from its output alone, as torch's: the rule saves no exp and no sums
-      stack.enter_context(jax.softmax_custom_jvp(True))
-      for factory in _TRACE_CONTEXTS:
-        stack.enter_context(factory())
+      stack.enter_context(torch_code())
       outputs = fn(*t_args, **(t_kwargs or {}))
       drew_random = prng is not None and torchax_private.current_key(env) is not prng  # key was split
   except errors.BridgeError:

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from torch_xla_jaxbridge._compat import torchax_private
+from torch_xla_jaxbridge._compat import torch_private, torchax_private
 from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 LOWER, FP32, PROMOTE = "lower_precision_fp", "fp32", "promote"
@@ -155,7 +155,7 @@ def _dispatch(dispatch, func, types, args, kwargs):
   """
   if not getattr(_LOCAL, "tracing", 0) or _LOCAL.inside:
     return dispatch(func, types, args, kwargs)
-  is_function = getattr(func, "overloadpacket", None) is None
+  is_function = not torch_private.is_op(func)
   saved = _LOCAL.state
   if is_function:
     _LOCAL.state = _live_state()
@@ -167,7 +167,7 @@ def _dispatch(dispatch, func, types, args, kwargs):
       _LOCAL.inside = 1  # the op's own ops run without autocast, as under torch's autocast kernels
     try:
       return dispatch(func, types, args, kwargs)
-    except _operator_not_found():
+    except torchax_private.operator_not_found():
       if not is_function or func.__name__ == "rot90":  # torchax special-cases rot90 itself
         raise
       # torchax would run a torch function it does not convert as torch's own code after this
@@ -175,12 +175,6 @@ def _dispatch(dispatch, func, types, args, kwargs):
       return func(*args, **(kwargs or {}))
   finally:
     _LOCAL.state, _LOCAL.inside = saved, 0
-
-
-def _operator_not_found():
-  import torchax.tensor
-
-  return torchax.tensor.OperatorNotFound
 
 
 class _Tracing:

@@ -1,9 +1,10 @@
 """Ops whose torchax conversion is replaced inside bridged code.
 
 The package's own, always on: `F.linear` (for the form of its weight gradient) and batch norm (for
-its running statistics), registered with `tracing` on import. The user's, scoped: `override_ops`
-gives torch ops or functions a JAX implementation while bridged code in a `with` block is traced;
-the active overrides are a trace key, so a trace is never reused under other overrides.
+its running statistics), registered with `tracing` on import. The user's: `register_lowering`
+gives a torch op or function a JAX implementation for good (a custom op's lowering), and
+`override_ops` one while bridged code in a `with` block is traced (the block's win). Both are
+trace keys, so a trace is never reused under other lowerings.
 """
 import contextlib
 import dataclasses
@@ -19,6 +20,7 @@ from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import runtime, threads, tracing
 
 _SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
+_REGISTERED: dict = {}  # op -> JAX function, from `register_lowering`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,8 @@ class Active:
       return None
     packet = getattr(func, "overloadpacket", None)
     for op, fn in self.pairs:
-      if op is func or (packet is not None and op is packet):
+      if op is func or (packet is not None and op is packet) or getattr(
+          op, "overloadpacket", None) is func:
         return fn
     return None
 
@@ -61,6 +64,19 @@ def active() -> Active:
   return getattr(_SCOPES, "active", Active())
 
 
+def registered() -> Active:
+  """The lowerings `register_lowering` gave.
+
+  Example:
+    >>> isinstance(registered(), Active)
+    True
+  """
+  return _REGISTERED_ACTIVE[0]
+
+
+_REGISTERED_ACTIVE = [Active()]  # `registered()`, made again at each registration
+
+
 _ATEN_OP_TYPES = (type(torch.ops.aten.mm), type(torch.ops.aten.mm.default))
 
 
@@ -69,27 +85,27 @@ def _torch_functions():
   return frozenset(f for fs in torch.overrides.get_overridable_functions().values() for f in fs)
 
 
-def _check(overrides):
+def _check(overrides, caller="override_ops"):
   if not isinstance(overrides, Mapping):
     raise errors.BadArgumentError(
-        f"override_ops: expected a dict from torch op or function to JAX function, got "
+        f"{caller}: expected a dict from torch op or function to JAX function, got "
         f"{type(overrides).__name__}; e.g. {{F.scaled_dot_product_attention: my_attention}}.")
   for op, fn in overrides.items():
     if not (isinstance(op, _ATEN_OP_TYPES) or op in _torch_functions()):
       raise errors.BadArgumentError(
-          f"override_ops: {_name(op)} is neither a torch function that dispatches on tensors "
+          f"{caller}: {_name(op)} is neither a torch function that dispatches on tensors "
           f"(such as F.scaled_dot_product_attention or torch.matmul) nor an aten op "
           f"(torch.ops.aten.mm.default), so bridged code would never reach the override. Key "
           f"the override by the torch function the code calls.")
     if not callable(fn):
       raise errors.BadArgumentError(
-          f"override_ops: the override of {_name(op)} is a {type(fn).__name__}; expected a "
+          f"{caller}: the override of {_name(op)} is a {type(fn).__name__}; expected a "
           f"function of JAX arrays returning JAX arrays.")
     try:
       hash(fn)
     except TypeError:
       raise errors.BadArgumentError(
-          f"override_ops: the override of {_name(op)} is not hashable; it keys the trace cache. "
+          f"{caller}: the override of {_name(op)} is not hashable; it keys the trace cache. "
           f"Pass a function (or functools.partial of hashable values).") from None
 
 
@@ -128,9 +144,36 @@ def override_ops(overrides: Mapping[Callable, Callable]) -> Iterator[None]:
     _SCOPES.active = outer
 
 
+def register_lowering(op: Callable, jax_fn: Callable) -> None:
+  """Bridged code runs `jax_fn` wherever it calls `op`, from now on (again: replaces).
+
+  For ops torchax cannot convert, such as custom ops made with `torch.library` whose body is not
+  torch code, or to replace a conversion for good. `op` is a torch op (`torch.ops.ns.op`, or one
+  overload of it) or a torch function; `jax_fn` has the op's signature on JAX arrays, as for
+  `override_ops` (whose blocks win over a registration), and its gradient is JAX's. Plain
+  LazyTensor code keeps running the op's own kernels. The registrations are a trace key: calls
+  traced before a registration are traced again, once.
+
+  Example:
+    >>> import jax, torch, torch_xla_jaxbridge as jb
+    >>> lib = torch.library.Library("demo_lowering", "DEF")
+    >>> _ = lib.define("twice(Tensor x) -> Tensor")
+    >>> jb.register_lowering(torch.ops.demo_lowering.twice, lambda x: 2 * x)
+    >>> jb.bridge(torch.ops.demo_lowering.twice)(torch.ones(2, device="xla")).cpu().tolist()
+    [2.0, 2.0]
+  """
+  _check({op: jax_fn}, "register_lowering")
+  with _REGISTRATION:
+    _REGISTERED[op] = jax_fn
+    _REGISTERED_ACTIVE[0] = Active(tuple(_REGISTERED.items()))
+
+
+_REGISTRATION = threading.Lock()
+
+
 def _dispatch(dispatch, func, types, args, kwargs):
-  """torchax's conversion of one op, unless an active override names it."""
-  fn = active().lookup(func)
+  """torchax's conversion of one op, unless an active override or a registration names it."""
+  fn = active().lookup(func) or registered().lookup(func)
   if fn is None or not any(tracing.is_traced(leaf) for leaf in _leaves((args, kwargs))):
     return dispatch(func, types, args, kwargs)
   jax = runtime.jax_module()
@@ -138,8 +181,8 @@ def _dispatch(dispatch, func, types, args, kwargs):
   for leaf in jax.tree.leaves(outputs):
     if not isinstance(leaf, jax.Array):
       raise errors.UsageError(
-          f"override_ops: the override of {_name(func)} ({_name(fn)}) returned a "
-          f"{type(leaf).__name__}; an override returns JAX arrays (or a pytree of them).")
+          f"the JAX lowering of {_name(func)} ({_name(fn)}) returned a {type(leaf).__name__}; "
+          f"a lowering returns JAX arrays (or a pytree of them).")
   return tracing.to_torchax(outputs)
 
 
@@ -304,3 +347,4 @@ tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
                              scaled_dot_product_attention)
 tracing.register_trace_context(_Routing)
 tracing.register_trace_key("op overrides", active)
+tracing.register_trace_key("registered lowerings", registered)

@@ -93,7 +93,8 @@ def interpreted_megablox(monkeypatch):
   """JAX's megablox kernels (what torch_xla's gmm calls) in interpret mode, for this test."""
   # the package's __init__ exports a function named gmm, hiding the module of that name
   module = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-  monkeypatch.setattr(module, "gmm", functools.partial(module.gmm, interpret=True))
+  for name in ("gmm", "tgmm"):
+    monkeypatch.setattr(module, name, functools.partial(getattr(module, name), interpret=True))
 
 
 def test_torch_xla_gmm_in_bridged_code(dev, interpreted_megablox):
@@ -107,3 +108,107 @@ def test_torch_xla_gmm_lowers_to_one_tpu_kernel():
   inputs, _ = grouped_inputs()
   forward, _ = jb.lower_bridged(torch_xla_gmm, *inputs, platform="tpu")
   assert forward.count("tpu_custom_call") == 1
+
+
+def torch_xla_gmm_with_gradients(lhs, rhs, sizes):
+  from torch_xla.experimental import custom_kernel
+
+  return custom_kernel.GMM.apply(torch.tanh(lhs), rhs, sizes, (128, 128, 128)).pow(2).sum()
+
+
+def test_torch_xla_gmm_autograd_function_matches_lazytensor(dev, interpreted_megablox):
+  (lhs, rhs, sizes), _ = grouped_inputs()
+  results = {}
+  for mode in ("LazyTensor", "bridged"):
+    inputs = [lhs.to(dev).requires_grad_(), rhs.to(dev).requires_grad_(), sizes.to(dev)]
+    fn = jb.bridge(torch_xla_gmm_with_gradients, fallback=False) if mode == "bridged" else (
+        torch_xla_gmm_with_gradients)
+    loss = fn(*inputs)
+    loss.backward()  # GMM's own backward: torch_xla's gmm and tgmm kernels
+    results[mode] = [loss.cpu()] + [t.grad.cpu() for t in inputs[:2]]
+  for got, want in zip(results["bridged"], results["LazyTensor"]):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+  eager = [lhs.clone().requires_grad_(), rhs.clone().requires_grad_()]
+  h = torch.tanh(eager[0])
+  torch.cat([h[:100] @ eager[1][0], h[100:] @ eager[1][1]]).pow(2).sum().backward()
+  torch.testing.assert_close(results["bridged"][1], eager[0].grad, rtol=1e-4, atol=1e-2)
+  torch.testing.assert_close(results["bridged"][2], eager[1].grad, rtol=1e-4, atol=1e-2)
+
+
+def torch_xla_tgmm(lhs, rhs, sizes):
+  from torch_xla.experimental import custom_kernel
+
+  return custom_kernel.tgmm(lhs.t(), rhs, sizes, (128, 128, 128))
+
+
+def test_torch_xla_tgmm_in_bridged_code(dev, interpreted_megablox):
+  (lhs, _, sizes), _ = grouped_inputs()
+  grad = torch.randn(256, 128)
+  out = jb.bridge(torch_xla_tgmm, fallback=False)(lhs.to(dev), grad.to(dev), sizes.to(dev))
+  expected = torch.stack([lhs[:100].t() @ grad[:100], lhs[100:].t() @ grad[100:]])
+  torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.fixture
+def interpreted_splash(monkeypatch):
+  """JAX's splash attention kernel (what torch_xla's splash_attention calls) in interpret mode."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+
+  monkeypatch.setattr(splash_attention_kernel, "make_splash_mha",
+                      functools.partial(splash_attention_kernel.make_splash_mha, interpret=True))
+
+
+class SplashBlock(torch.nn.Module):
+  """Self-attention through torch_xla's splash_attention (its custom ops and autograd Function)."""
+
+  def __init__(self):
+    super().__init__()
+    self.qkv, self.out = torch.nn.Linear(64, 3 * 64), torch.nn.Linear(64, 64)
+
+  def forward(self, x):
+    import numpy as np
+    from torch_xla.distributed.spmd import Mesh
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
+
+    mesh = Mesh(np.arange(1), (1, 1, 1), ("data", "fsdp", "model"))
+    config = SplashAttentionConfig(mesh=str(mesh), qkv_partition_spec=("data", None, None, None),
+                                   segment_ids_partition_spec=("data", None)).to_json()
+    batch, seq, _ = x.shape
+    q, k, v = self.qkv(x).view(batch, seq, 3, 1, 64).permute(2, 0, 3, 1, 4)
+    attended = splash_attention(q, k, v, config, None, True)
+    return self.out(attended.permute(0, 2, 1, 3).reshape(batch, seq, 64))
+
+
+@pytest.mark.parametrize("mode", ["BridgeModule", "train_step"])
+def test_torch_xla_splash_attention_trains_as_in_lazytensor(dev, interpreted_splash, mode):
+  torch.manual_seed(0)
+  initial, x = SplashBlock().state_dict(), torch.randn(2, 128, 64)
+  results = {}
+  for run in ("LazyTensor", mode):
+    model = SplashBlock()
+    model.load_state_dict(initial)
+    model = model.to(dev)
+    optimizer = jb.optim.SGD(model.parameters(), lr=0.1)
+    if run == "train_step":
+      loss = jb.train_step(lambda b: model(b).pow(2).mean(), optimizer, fallback=False)(
+          x.to(dev))
+    else:
+      run_model = jb.BridgeModule(model, fallback=False) if run == "BridgeModule" else model
+      loss = run_model(x.to(dev)).pow(2).mean()
+      loss.backward()
+      optimizer.step()
+    torch_xla.sync()
+    results[run] = [loss.cpu()] + [p.detach().cpu() for p in model.parameters()]
+  for got, want in zip(results[mode], results["LazyTensor"]):
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_xla_flash_attention_fails_here_as_in_lazytensor(dev):
+  from torch_xla.experimental import custom_kernel
+
+  q = torch.randn(1, 1, 128, 64, device=dev)
+  with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+    custom_kernel.flash_attention(q, q, q)  # a TPU custom call: LazyTensor cannot run it here
+  with pytest.warns(jb.errors.FallbackWarning, match="flash_attention"):
+    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+      jb.bridge(custom_kernel.flash_attention)(q, q, q)  # falls back: the same error, no worse

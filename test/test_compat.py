@@ -323,3 +323,10 @@ def test_torchax_operator_not_found_and_dispatch_mode():
   with torchax_private.dispatch_mode(env):
     t = torchax.tensor.Tensor(jax.numpy.ones(2), env)
     assert torch.ops.aten.mul.Tensor(t, t).jax().tolist() == [1.0, 1.0]
+
+
+def test_functorch_transforms_active_is_seen_under_vmap():
+  assert not torch_private.functorch_transforms_active()
+  seen = []
+  torch.vmap(lambda t: seen.append(torch_private.functorch_transforms_active()) or t)(torch.ones(2))
+  assert seen == [True]

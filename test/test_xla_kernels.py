@@ -212,3 +212,17 @@ def test_torch_xla_flash_attention_fails_here_as_in_lazytensor(dev):
   with pytest.warns(jb.errors.FallbackWarning, match="flash_attention"):
     with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
       jb.bridge(custom_kernel.flash_attention)(q, q, q)  # falls back: the same error, no worse
+
+
+def test_torch_xla_quantized_matmul_int8_matches_lazytensor(dev):
+  from torch_xla.experimental import custom_kernel
+
+  torch.manual_seed(0)
+  x, scale = torch.randn(8, 32), torch.rand(16)
+  w = torch.randint(-128, 127, (16, 32), dtype=torch.int8)
+  fn = lambda *t: custom_kernel.quantized_matmul_int8(*t)  # noqa: E731
+  inputs = [t.to(dev) for t in (x, w, scale)]
+  lazy = fn(*inputs).cpu()
+  bridged = jb.bridge(fn, fallback=False)(*inputs).cpu()
+  torch.testing.assert_close(bridged, lazy, rtol=0, atol=0)
+  torch.testing.assert_close(lazy, (x @ w.float().t()) * scale)

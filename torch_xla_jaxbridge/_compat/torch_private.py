@@ -294,3 +294,16 @@ def custom_op_parts(definition: Any) -> tuple:
   """
   implementation = definition._backend_fns.get("xla") or definition._init_fn
   return implementation, definition._setup_context_fn, definition._backward_fn
+
+
+def functorch_transforms_active() -> bool:
+  """Whether a `torch.func` transform (`torch.vmap`, as Hugging Face's mask builders use) is
+  running: an autograd Function then goes through torch's own functorch rules, not the bridge's.
+  Public alternative: none.
+
+  Example:
+    >>> functorch_transforms_active(), torch.vmap(lambda x: torch.tensor(
+    ...     functorch_transforms_active()))(torch.ones(1)).item()
+    (False, True)
+  """
+  return torch._C._are_functorch_transforms_active()

@@ -1,6 +1,7 @@
 """Errors raised while torch code is traced, rewritten to name the user's line and the fix."""
 import os
 import re
+import sysconfig
 import traceback
 
 from torch_xla_jaxbridge import errors
@@ -10,6 +11,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # th
 _LIBRARY_MARKERS = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}torch{os.sep}",
                     f"{os.sep}torchax{os.sep}", f"{os.sep}torch_xla{os.sep}", _PACKAGE_DIR)
 _RECIPES_DIR = os.path.join(_PACKAGE_DIR, "recipes")
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 
 
 class PlainTensorUsed(Exception):
@@ -18,8 +20,8 @@ class PlainTensorUsed(Exception):
 
 
 def is_library_file(filename: str) -> bool:
-  """Whether a frame in `filename` is library code (JAX, torch, torchax, this package), not the
-  user's model (the recipes count as user models).
+  """Whether a frame in `filename` is library code (JAX, torch, torchax, this package, Python's
+  own), not the user's model (the recipes count as user models).
 
   Example:
     >>> is_library_file(__file__), is_library_file("/home/me/model.py")
@@ -27,6 +29,8 @@ def is_library_file(filename: str) -> bool:
   """
   if filename.startswith(_RECIPES_DIR):
     return False
+  if filename.startswith(_STDLIB_DIR) and "site-packages" not in filename:
+    return True
   return any(marker in filename for marker in _LIBRARY_MARKERS)
 
 
@@ -96,4 +100,27 @@ def translate(exc: Exception, fn_name: str) -> errors.BridgeError:
         f"the function captures (`w = holder.w` in the enclosing scope), or register it as a "
         f"parameter or buffer of the module.")
   return errors.JaxTracingError(f"{fn_name} failed while being traced, at {where}: "
-                                f"{kind}: {exc}")
+                                f"{kind}: {exc}{_upstream_hint(exc)}")
+
+
+# torch_xla's own wrappers that trace torch code their own way, and what replaces each inside
+# bridged code (by the file a failing frame is in)
+_UPSTREAM = {
+    os.path.join("torch_xla", "experimental", "scan_layers.py"):
+        ("torch_xla.experimental.scan_layers.scan_layers", "jb.scan_layers"),
+    os.path.join("torch_xla", "experimental", "scan.py"):
+        ("torch_xla.experimental.scan.scan", "jb.scan"),
+    os.path.join("torch_xla", "experimental", "assume_pure.py"):
+        ("torch_xla.experimental.assume_pure", "jb.assume_pure / jb.PureModule"),
+}
+
+
+def _upstream_hint(exc: BaseException) -> str:
+  """A sentence naming the package's replacement when `exc` came from inside one of torch_xla's
+  own tracing wrappers, which cannot run inside bridged code."""
+  for frame in traceback.extract_tb(exc.__traceback__):
+    for path, (upstream, replacement) in _UPSTREAM.items():
+      if frame.filename.endswith(path):
+        return (f". {upstream} cannot run inside bridged code (it traces the torch code its own "
+                f"way); call {replacement} there, with the same arguments.")
+  return ""

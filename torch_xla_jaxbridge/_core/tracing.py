@@ -220,10 +220,20 @@ def _flag(name):
 
 def _with_thread_key(jax):
   """The environment, with this thread's default random key made: torchax's properties are per
-  thread and made on first use, which inside a trace would keep a traced value."""
+  thread and made on first use, which inside a trace would keep a traced value. The same for
+  torchax's own global environment, which code that converts through torchax itself uses (torch_xla's
+  experimental `assume_pure` called inside bridged code).
+
+  Example:
+    >>> _with_thread_key(runtime.jax_module()) is environment()
+    True
+  """
+  import torchax
+
   env = environment()
   with jax.ensure_compile_time_eval():
     torchax_private.current_key(env)
+    torchax_private.current_key(torchax.default_env())
   return env
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import patching, runtime, tracing
 
 
@@ -53,6 +54,12 @@ def _is_tensor(value: Any) -> bool:
   return isinstance(value, torch.Tensor)
 
 
+def _is_view(value: Any) -> bool:
+  import torchax.tensor
+
+  return isinstance(value, torchax.tensor.View)
+
+
 def _array(value: Any) -> Any:
   import torchax.tensor
 
@@ -68,11 +75,12 @@ def _zeros_for(value: Any) -> Any:
 
 
 def _split(tree: Any) -> tuple:
-  """`(arrays, layout)`: the arrays of the tensors in `tree`, and what `_join` needs to put new
-  ones in their places (holding no tensor)."""
+  """`(arrays, layout)`: the arrays of the traced tensors in `tree`, and what `_join` needs to put
+  new ones in their places (holding no traced value; other tensors, such as a saved CPU random
+  state, stay as they are)."""
   jax = runtime.jax_module()
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_tensor)
-  is_tensor = [_is_tensor(leaf) for leaf in leaves]
+  is_tensor = [tracing.is_traced(leaf) or _is_view(leaf) for leaf in leaves]
   others = [None if t else leaf for leaf, t in zip(leaves, is_tensor)]
   return tuple(_array(leaf) for leaf, t in zip(leaves, is_tensor) if t), (treedef, is_tensor,
                                                                             others)
@@ -156,14 +164,33 @@ def custom_gradient(name: str, forward: Callable, backward: Callable, args: tupl
   return _join(primal(*inputs), static["outputs"])
 
 
+_RULES: dict = {}  # "module.Class" -> what its `apply` does inside a trace
+
+
+def register_function_rule(name: str, rule: Callable) -> None:
+  """Makes `Function.apply` of the autograd Function class `name` ("module.Class") call
+  `rule(*args, **kwargs)` inside a trace, for Functions whose forward or backward calls torch's
+  autograd itself (checkpointing), which traced tensors do not have.
+
+  Example:
+    >>> register_function_rule("mylib.Identity", lambda x: x)
+    >>> del _RULES["mylib.Identity"]  # the doctest's own cleanup
+  """
+  _RULES[name] = rule
+
+
 def _apply(cls, *args, **kwargs):
   """torch's `Function.apply`; on traced tensors in a thread that traces bridged code, the
   Function's forward and backward as a `jax.custom_vjp`."""
   jax = runtime.jax_module()
-  traced = any(tracing.is_traced(leaf)
-               for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_tensor))
-  if not _FUNCTION_APPLY.active() or not traced:
+  tensors = [leaf for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_tensor)
+             if _is_tensor(leaf)]
+  if not (_FUNCTION_APPLY.active() and tensors and all(map(tracing.is_traced, tensors))) or (
+      torch_private.functorch_transforms_active()):  # under torch.vmap: torch's own rules
     return _FUNCTION_APPLY.original("apply").__get__(None, cls)(*args, **kwargs)
+  rule = _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+  if rule is not None:
+    return rule(*args, **kwargs)
   base = torch.autograd.function.Function
   backward = cls.vjp if cls.backward is base.backward and cls.vjp is not base.vjp else cls.backward
   if cls.setup_context is not base.setup_context:

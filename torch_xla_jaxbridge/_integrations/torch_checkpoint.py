@@ -4,10 +4,13 @@ Within traced code `torch.utils.checkpoint.checkpoint(fn, *args)` recomputes `fn
 through `jax.checkpoint`: every reference to torch's `checkpoint`, however it was imported, goes
 through the wrapper torch puts around it, which calls the function held in a hook attribute
 (`torch_private.torch_checkpoint_target`). Other threads, and calls outside a trace, get torch's
-own checkpoint.
+own checkpoint. torch_xla's `torch_xla.utils.checkpoint.checkpoint` (and FSDP's
+`checkpoint_module`, which calls it) does the same inside a trace, through a rule for its
+autograd Function.
 """
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import patching, runtime, tracing
+from torch_xla_jaxbridge._integrations import autograd_function
 
 
 def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
@@ -21,6 +24,11 @@ def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
     return original(function, *args, use_reentrant=use_reentrant, context_fn=context_fn,
                     determinism_check=determinism_check, debug=debug,
                     preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs)
+  return _recomputed(function, args, kwargs)
+
+
+def _recomputed(function, args, kwargs):
+  """`function(*args, **kwargs)` on traced tensors, recomputed in the backward (`jax.checkpoint`)."""
   jax = runtime.jax_module()
   tensors, rebuild = tracing.traced_arrays((args, kwargs))
 
@@ -32,6 +40,15 @@ def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
   return tracing.to_torchax(out)
 
 
+def _torch_xla_checkpoint(run_function, preserve_rng_state, *args):
+  """torch_xla's `CheckpointFunction.apply` (what `torch_xla.utils.checkpoint.checkpoint` and
+  FSDP's `checkpoint_module` call) inside a trace: its backward runs torch's autograd, which traced
+  tensors do not have; `jax.checkpoint` recomputes the function instead."""
+  return _recomputed(run_function, args, {})
+
+
 _TORCH_CHECKPOINT = patching.Patch(lambda: [torch_private.torch_checkpoint_target()],
                                    {torch_private.CHECKPOINT_HOOK: _checkpoint_hook})
 tracing.register_trace_context(lambda: _TORCH_CHECKPOINT)
+autograd_function.register_function_rule("torch_xla.utils.checkpoint.CheckpointFunction",
+                                         _torch_xla_checkpoint)

@@ -26,6 +26,7 @@ from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads
 
 _OP_OVERRIDES = {}
+_DISPATCH_WRAPPERS: list = []
 _TRACE_CONTEXTS = []
 _TRACE_KEYS = {}
 _SCOPE = threading.local()
@@ -41,6 +42,21 @@ def register_op_override(op, impl: Callable) -> None:
   _OP_OVERRIDES[op] = impl
   if environment.done():
     environment().override_op_definition(op, impl)
+
+
+def register_dispatch_wrapper(wrapper: Callable) -> None:
+  """Makes every op torchax converts in bridged code go through `wrapper(dispatch, func, types,
+  args, kwargs)`, where `dispatch` converts it as before (the last registered runs first).
+
+  Example (`overrides`, `autocast` and `custom_ops` register theirs at import; a registration
+  lasts for the process):
+    >>> from torch_xla_jaxbridge._integrations import custom_ops
+    >>> custom_ops._dispatch in _DISPATCH_WRAPPERS
+    True
+  """
+  _DISPATCH_WRAPPERS.append(wrapper)
+  if environment.done():
+    torchax_private.wrap_dispatch(environment(), wrapper)
 
 
 def register_trace_context(factory: Callable[[], contextlib.AbstractContextManager]) -> None:
@@ -111,6 +127,8 @@ def environment():
         torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op, impl in _OP_OVERRIDES.items():
     env.override_op_definition(op, impl)
+  for wrapper in _DISPATCH_WRAPPERS:
+    torchax_private.wrap_dispatch(env, wrapper)
   return env
 
 

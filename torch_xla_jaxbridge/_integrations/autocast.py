@@ -181,7 +181,6 @@ class _Tracing:
   """Entered around each traced torch call: autocast applies to the ops converted inside."""
 
   def __enter__(self):
-    torchax_private.wrap_dispatch(tracing.environment(), _dispatch)
     self.saved = (getattr(_LOCAL, "tracing", 0), getattr(_LOCAL, "inside", 0),
                   getattr(_LOCAL, "state", None))
     _LOCAL.tracing, _LOCAL.inside, _LOCAL.state = 1, 0, _live_state()
@@ -192,5 +191,6 @@ class _Tracing:
     return False
 
 
+tracing.register_dispatch_wrapper(_dispatch)
 tracing.register_trace_context(_Tracing)
 tracing.register_trace_key("autocast", current_state)

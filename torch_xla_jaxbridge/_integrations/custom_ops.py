@@ -117,15 +117,4 @@ def _dispatch(dispatch, func, types, args, kwargs):
   return run_custom_op(op, tuple(args), dict(kwargs or {}))
 
 
-class _Routing:
-  """Entered around each traced torch call: custom ops reach `run_custom_op`."""
-
-  def __enter__(self):
-    torchax_private.wrap_dispatch(tracing.environment(), _dispatch)
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-
-tracing.register_trace_context(_Routing)
+tracing.register_dispatch_wrapper(_dispatch)

@@ -199,17 +199,6 @@ def _arrays(tree):
       is_leaf=lambda t: isinstance(t, torch.Tensor)))
 
 
-class _Routing:
-  """Entered around each traced torch call: active overrides see every op torchax converts."""
-
-  def __enter__(self):
-    torchax_private.wrap_dispatch(tracing.environment(), _dispatch)
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-
 def linear(input, weight, bias=None):
   """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
   together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
@@ -345,6 +334,6 @@ for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.nati
 tracing.register_op_override(torch.nn.functional.linear, linear)
 tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
                              scaled_dot_product_attention)
-tracing.register_trace_context(_Routing)
+tracing.register_dispatch_wrapper(_dispatch)
 tracing.register_trace_key("op overrides", active)
 tracing.register_trace_key("registered lowerings", registered)

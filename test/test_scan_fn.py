@@ -112,5 +112,13 @@ def test_errors(dev):
 
   with pytest.raises(RuntimeError, match="scan: fn changed its carry or x .* in-place"):
     jb.scan(in_place, torch.ones(2, device=dev), xs)
+  outside = torch.zeros(2, device=dev)
+
+  def bumps_outside(carry, x):
+    outside.add_(1.0)
+    return carry + outside, x
+
+  with pytest.raises(RuntimeError, match="changed a tensor it reads from outside"):
+    jb.scan(bumps_outside, torch.ones(2, device=dev), xs)
   with pytest.raises(jb.errors.BridgeError, match="the new carry must have the carry's"):
     jb.scan(lambda c, x: (c.sum(), x), torch.ones(2, device=dev), xs)

@@ -103,7 +103,8 @@ class _Scan:
         before = torchax_private.current_key(env)
         out = captures.call_with(fn, lifted, (carry_in, x_in), {})
         drew.append(torchax_private.current_key(env) is not before)
-      _check_untouched(jax, (carry_in, x_in), (carry, x))
+      _check_untouched(jax, (carry_in, x_in), (carry, x), "its carry or x")
+      _check_untouched(jax, lifted, outside, "a tensor it reads from outside")
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise errors.BadArgumentError(
             f"scan: fn returned {type(out).__name__}; it must return (new_carry, y) (y may be "
@@ -112,6 +113,7 @@ class _Scan:
       _check_carry(jax, carry, new_carry)
       return new_carry, y
 
+    outside = [t.jax() for t in jax.tree.leaves(lifted)]
     carry0, xs0 = unwrap(init), unwrap(xs)
     length = jax.tree.leaves(xs0)[0].shape[0]
     first_x = jax.tree.map(lambda a: a[0], xs0)
@@ -122,14 +124,14 @@ class _Scan:
     return wrap((final, ys))
 
 
-def _check_untouched(jax, wrapped, arrays):
-  """`fn` must not update its carry or x in place: the scan cannot give the update back."""
+def _check_untouched(jax, wrapped, arrays, what):
+  """`fn` must not update its inputs in place: the scan cannot give the update back."""
   for w, a in zip(jax.tree.leaves(wrapped), jax.tree.leaves(arrays)):
     if w.jax() is not a:
       raise errors.InPlaceInputError(
-          f"scan: fn changed its carry or x (shape {tuple(w.shape)}) by an in-place operation; "
-          f"a step cannot update its inputs. Work on a copy (`carry = carry.clone()`) or return "
-          f"the new value.")
+          f"scan: fn changed {what} (shape {tuple(w.shape)}) by an in-place operation; a step "
+          f"cannot update its inputs. Work on a copy (`carry = carry.clone()`) or carry the "
+          f"value and return its new value.")
 
 
 def _check_carry(jax, carry, new_carry):

@@ -200,6 +200,7 @@ def main():
         print(f"{rel} {names}: {row[names]['passed']}/{row[names]['total']} passed "
               f"({row[names]['seconds']} s) failed: {row[names]['failed']}", flush=True)
       rows.append(row)
+      write(opts.json, rows)  # after each file: a long run keeps what it measured
   print(f"\n{'file':<34}{'upstream':>10}{'ours':>10}  ours failed where upstream passed")
   for row in rows:
     up, ours = row["upstream"], row["ours"]
@@ -209,10 +210,13 @@ def main():
   for row in rows:
     for name, reason in row["excluded"].items():
       print(f"excluded {pathlib.Path(row['file']).name}::{name}*: {reason}")
-  out = pathlib.Path(opts.json)
+  print(f"wrote {opts.json}")
+
+
+def write(path, rows):
+  out = pathlib.Path(path)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(rows, indent=1) + "\n")
-  print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,21 +12,23 @@ import torch_xla_jaxbridge as jb
 from parity import rel_err
 
 
-def unrolled_vs_scanned(layers, x, dev, *, shared=(), remat=None, carry_fn=None):
-  """Runs the stack unrolled on CPU and scanned on XLA; returns both layer lists and outputs."""
+def unrolled_vs_scanned(layers, x, dev, *, shared=(), carry_fn=None, unpack=False, **options):
+  """Runs the stack unrolled on CPU and scanned on XLA (`options`: scan_layers' keywords);
+  compares outputs, the input's and every parameter's gradients. `unpack`: the layers take a
+  tuple carry as separate arguments."""
   ref_layers = [copy.deepcopy(l) for l in layers]
   ref_x = x.clone().requires_grad_()
   h = ref_x if carry_fn is None else carry_fn(ref_x)
   for layer in ref_layers:
-    h = layer(h, *shared)
+    h = layer(*h, *shared) if unpack else layer(h, *shared)
   ref_out = h if carry_fn is None else h[0] + h[1].sum()
   ref_out.pow(2).sum().backward()
 
   xla_layers = [copy.deepcopy(l).to(dev) for l in layers]
   xla_x = x.to(dev).requires_grad_()
   start = xla_x if carry_fn is None else carry_fn(xla_x)
-  out = jb.scan_layers(xla_layers, start, remat=remat,
-                       shared_args=tuple(s.to(dev) for s in shared))
+  out = jb.scan_layers(xla_layers, start, shared_args=tuple(s.to(dev) for s in shared),
+                       **options)
   out = out if carry_fn is None else out[0] + out[1].sum()
   out.pow(2).sum().backward()
   torch_xla.sync()
@@ -108,11 +110,11 @@ def test_empty_stack_returns_the_input(dev):
 
 def test_mismatched_layers_name_the_first_difference(dev):
   layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
-  with pytest.raises(jb.errors.BadArgumentError,
-                     match=r"scan_layers: layers\[2\] 'weight' is parameter \(4, 8\) "
-                     r"torch.float32, but in layers\[0\] it is parameter \(8, 8\)"):
+  with pytest.raises(jb.errors.BadValueError,
+                     match=r"scan_layers: Shape mismatch: layers\[2\] 'weight' is parameter "
+                     r"\(4, 8\) torch.float32, but in layers\[0\] it is parameter \(8, 8\)"):
     jb.scan_layers(layers, torch.ones(2, 8))
-  with pytest.raises(jb.errors.BadArgumentError, match=r"layers\[1\] is a ReLU, layers\[0\] a "
+  with pytest.raises(ValueError, match=r"mismatched keys: layers\[1\] is a ReLU, layers\[0\] a "
                      r"Linear"):
     jb.scan_layers([torch.nn.Linear(2, 2), torch.nn.ReLU()], torch.ones(2, 2))
 
@@ -258,11 +260,44 @@ def test_stacked_layers_state_dict_has_the_layer_lists_keys(dev):
 def test_stacked_layers_errors(dev):
   with pytest.raises(jb.errors.BadArgumentError, match="StackedLayers: layers is empty"):
     jb.StackedLayers([])
-  with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: layers\[1\] 'weight' is "
-                     r"parameter \(2, 4\) torch.float32"):
+  with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: Shape mismatch: "
+                     r"layers\[1\] 'weight' is parameter \(2, 4\) torch.float32"):
     jb.StackedLayers([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
   shared = torch.nn.Linear(4, 4)
   with pytest.raises(jb.errors.BadArgumentError, match=r"StackedLayers: layers\[2\] 'weight' is "
                      r"the same parameter as layers\[0\] 'weight'; stacking would give each "
                      r"layer its own copy"):
     jb.StackedLayers([shared, torch.nn.Linear(4, 4), shared])
+
+
+class ThreeWay(torch.nn.Module):
+  """Takes its carry as three arguments and returns three tensors (upstream's tuple layers)."""
+
+  def __init__(self):
+    super().__init__()
+    self.fc = torch.nn.Linear(6, 6)
+
+  def forward(self, x, y, z):
+    return self.fc(x).sin(), self.fc(y).cos(), self.fc(z) * x
+
+
+def test_tuple_carry_spread_over_the_layer_arguments(dev):
+  unrolled_vs_scanned([ThreeWay() for _ in range(3)], torch.randn(5, 6), dev,
+                      carry_fn=lambda x: (x, x * 2, x * 3), unpack=True)
+
+
+@pytest.mark.parametrize("partition", ["default_partition", "min_cut_rematerialization_partition"])
+def test_upstream_keywords(dev, partition):
+  from functorch import compile as functorch_compile
+  layers = [models.DecoderLayer() for _ in range(2)]
+  unrolled_vs_scanned(layers, torch.randn(2, 8, 32), dev, shared=(torch.arange(8),),
+                      partition_fn=getattr(functorch_compile, partition), is_layer_pure=False)
+
+
+def test_partition_fn_and_remat_are_one_choice(dev):
+  from functorch.compile import default_partition
+  layers = [torch.nn.Linear(2, 2).to(dev) for _ in range(2)]
+  with pytest.raises(jb.errors.BadArgumentError, match="partition_fn= and remat= both given"):
+    jb.scan_layers(layers, torch.ones(2, device=dev), default_partition, remat="full")
+  with pytest.raises(jb.errors.BadArgumentError, match="is not one this package maps"):
+    jb.scan_layers(layers, torch.ones(2, device=dev), partition_fn=lambda *a: a)

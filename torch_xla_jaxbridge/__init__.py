@@ -27,6 +27,7 @@ from torch_xla_jaxbridge import spmd as spmd  # noqa: E402
 from torch_xla_jaxbridge._bridge.api import assume_pure as assume_pure  # noqa: E402
 from torch_xla_jaxbridge._bridge.api import bridge as bridge  # noqa: E402
 from torch_xla_jaxbridge._bridge.auto import bridge_modules as bridge_modules  # noqa: E402
+from torch_xla_jaxbridge._bridge.checkpoint import checkpoint as checkpoint  # noqa: E402
 from torch_xla_jaxbridge._bridge.fallback import BridgeReport as BridgeReport  # noqa: E402
 from torch_xla_jaxbridge._bridge.fallback import bridge_report as bridge_report  # noqa: E402
 from torch_xla_jaxbridge._bridge.module import BridgeModule as BridgeModule  # noqa: E402
@@ -37,6 +38,7 @@ from torch_xla_jaxbridge._bridge.remat import Remat as Remat  # noqa: E402
 from torch_xla_jaxbridge._bridge.remat import checkpoint_name as checkpoint_name  # noqa: E402
 from torch_xla_jaxbridge._bridge.scan import StackedLayers as StackedLayers  # noqa: E402
 from torch_xla_jaxbridge._bridge.scan import scan_layers as scan_layers  # noqa: E402
+from torch_xla_jaxbridge._bridge.scan_fn import scan as scan  # noqa: E402
 from torch_xla_jaxbridge._core.call import call_jax as call_jax  # noqa: E402
 from torch_xla_jaxbridge._core.lowering import CacheInfo as CacheInfo  # noqa: E402
 from torch_xla_jaxbridge._core.lowering import cache_info as cache_info  # noqa: E402
@@ -53,8 +55,9 @@ from torch_xla_jaxbridge._training.train_step import train_step as train_step  #
 
 __all__ = ["call_jax", "bridge", "assume_pure", "BridgeModule", "PureModule", "cache_info",
            "clear_cache", "CacheInfo", "Remat", "checkpoint_name", "saved_residuals",
-           "lower_bridged", "memory_report", "MemoryReport", "scan_layers", "StackedLayers",
-           "fori_loop", "jaxify", "jax_op", "override_ops", "register_lowering", "train_step", "errors", "dlpack",
+           "lower_bridged", "memory_report", "MemoryReport", "scan", "scan_layers", "StackedLayers",
+           "checkpoint", "fori_loop", "jaxify", "jax_op", "override_ops", "register_lowering",
+           "train_step", "errors", "dlpack",
            "optim", "spmd", "remat", "flash_attention", "bridge_modules", "bridge_report",
            "BridgeReport"]
 

@@ -12,6 +12,12 @@ class BadArgumentError(BridgeError, TypeError):
   """An argument cannot cross the torch/JAX boundary (wrong device, unhashable static, ...)."""
 
 
+class BadValueError(BadArgumentError, ValueError):
+  """An argument of the right kind whose value cannot work (layers of different structures,
+  scanned inputs of different lengths, a step function that is not callable); a `ValueError`
+  too, as upstream torch_xla raises there."""
+
+
 class MissingSeedError(BadArgumentError, AssertionError):
   """A function made with `assume_pure(..., add_rng_seed_argument=True)` was called without
   `rng_seed=`; an `AssertionError` too, as upstream torch_xla raises there."""
@@ -36,6 +42,11 @@ class LeakedTensorError(BridgeError):
 class MutationError(BridgeError):
   """Bridged torch code mutated an argument in a way that cannot be written back, or a tensor
   shared by a `dlpack.to_cpu` / `to_xla` move was changed in place before backward."""
+
+
+class InPlaceInputError(MutationError, RuntimeError):
+  """A scanned step function changed its carry or its slice of `xs` in place; a `RuntimeError`
+  too, as torch (and upstream's scan) raises for an in-place operation autograd cannot allow."""
 
 
 class ControlFlowError(BridgeError):

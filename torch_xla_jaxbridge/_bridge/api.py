@@ -75,21 +75,35 @@ def bridge(fn: Optional[Callable] = None, *, remat: remat_policies.RematArg = No
   return with_fallback(Bridged(fn, remat=remat, name=name), fallback)
 
 
-def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False,
+def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False, use_cache: bool = True,
                 remat: remat_policies.RematArg = None, fallback: bool = True) -> Callable:
   """Upstream `torch_xla.experimental.assume_pure`'s call, built on `bridge`.
 
   Unlike upstream, randomness inside `fn` is fresh on every call already. With
   `add_rng_seed_argument=True` the returned function takes a keyword `rng_seed` (int or integer
-  tensor) that fixes the randomness instead, as upstream's does. `remat=` and `fallback=` are as
-  for `bridge` (code that cannot be bridged runs as plain LazyTensor code, where upstream's
-  raises).
+  tensor) that fixes the randomness instead, as upstream's does. `use_cache` is upstream
+  `assume_pure_torch`'s: True (the default here) traces `fn` once per signature (argument
+  shapes, dtypes, static values; upstream's reuses one trace per function name whatever the
+  shapes); False traces it again at every call, for a function whose result depends on Python
+  state outside its arguments. `remat=` and `fallback=` are as for `bridge` (code that cannot be
+  bridged runs as plain LazyTensor code, where upstream's raises).
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
     >>> noisy = jb.assume_pure(lambda a: a + torch.randn_like(a), add_rng_seed_argument=True)
     >>> out = noisy(torch.zeros(3, device="xla"), rng_seed=0)
+    >>> traces = []
+    >>> every_call = jb.assume_pure(lambda a: traces.append(1) or a * 2, use_cache=False)
+    >>> _ = [every_call(torch.ones(2, device="xla")) for _ in range(3)]
+    >>> len(traces)
+    3
   """
+  if not use_cache:
+    @functools.wraps(fn)
+    def traced_every_call(*args: Any, **kwargs: Any) -> Any:
+      return assume_pure(fn, add_rng_seed_argument=add_rng_seed_argument, remat=remat,
+                         fallback=fallback)(*args, **kwargs)
+    return traced_every_call
   bridged = with_fallback(Bridged(fn, remat=remat), fallback)
   bridged.seeded = add_rng_seed_argument
   return bridged

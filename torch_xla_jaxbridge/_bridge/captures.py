@@ -23,7 +23,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import modules, runtime, threads
+from torch_xla_jaxbridge._core import modules, runtime, threads, tracing
 
 CELL, GLOBAL, ATTR, SELF = "cell", "global", "attr", "self"  # where a captured value was found
 
@@ -184,6 +184,21 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True) -> Optional[Lifted]
   return lifted
 
 
+def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Optional[Lifted]:
+  """`collect(fn, fn_name)` for a call of `fn` on `arguments`; None when the arguments are traced
+  (a call inside bridged code: `fn` reads the enclosing trace's tensors where they are).
+
+  Example:
+    >>> w = torch.ones(3, device="xla")
+    >>> collect_for_call(lambda x: x * w, "f", (torch.ones(3, device="xla"),))
+    Lifted(w)
+  """
+  leaves = runtime.jax_module().tree.leaves(arguments)
+  if any(isinstance(leaf, torch.Tensor) and tracing.is_traced(leaf) for leaf in leaves):
+    return None
+  return collect(fn, fn_name)
+
+
 def with_captures(fn: Callable, fn_name: str, args: tuple, *, xla: bool = True) -> tuple:
   """`args` with `fn`'s captured tensors (`collect`) put first, or `args` when there are none.
 
@@ -207,6 +222,21 @@ def calling(fn: Callable, args: tuple) -> Callable:
   if not (args and isinstance(args[0], Lifted)):
     return fn
   return lambda lifted, *a, **k: _call_with(fn, lifted, a, k)
+
+
+def call_with(fn: Callable, lifted: Optional[Lifted], args: tuple, kwargs: dict) -> object:
+  """`fn(*args, **kwargs)` with `lifted` (what `collect(fn, ...)` returned, its tensors now
+  traced) put where `fn` reads them; a plain call when `lifted` is None. For a bridged function
+  that runs `fn` itself and passes `fn`'s captures as an argument of its own.
+
+  Example:
+    >>> w = torch.ones(2)
+    >>> f = lambda x: x * w
+    >>> call_with(f, Lifted((torch.full((2,), 3.0),), collect(f, "f", xla=False).layout),
+    ...           (torch.ones(2),), {}).tolist()
+    [3.0, 3.0]
+  """
+  return fn(*args, **kwargs) if lifted is None else _call_with(fn, lifted, args, kwargs)
 
 
 def _call_with(fn, lifted, args, kwargs):

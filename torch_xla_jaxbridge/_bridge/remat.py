@@ -101,6 +101,37 @@ def save_unfused(prim: Any, *_: Any, **__: Any) -> bool:
   return prim.name not in FUSED_PRIMITIVES
 
 
+def from_partition_fn(partition_fn: Any, remat: RematArg, caller: str) -> RematArg:
+  """The `remat=` value standing for upstream's `partition_fn=` (functorch partitioners): with
+  `default_partition` the backward keeps every value `jax.vjp` keeps (nothing recomputed), with
+  `min_cut_rematerialization_partition` it recomputes elementwise and layout ops
+  (`save_unfused`, as min-cut recomputes the cheap ops); None leaves `remat` as it is.
+
+  Example:
+    >>> from functorch.compile import min_cut_rematerialization_partition
+    >>> from_partition_fn(min_cut_rematerialization_partition, None, "scan") is save_unfused
+    True
+  """
+  if partition_fn is None:
+    return remat
+  if remat is not None:
+    raise errors.BadArgumentError(
+        f"{caller}: partition_fn= and remat= both given; they choose the same thing (what the "
+        f"backward recomputes). Give one of them.")
+  module = getattr(partition_fn, "__module__", None) or ""
+  name = getattr(partition_fn, "__name__", None)
+  if module.startswith(("functorch", "torch._functorch")):
+    if name == "default_partition":
+      return runtime.jax_module().checkpoint_policies.everything_saveable
+    if name == "min_cut_rematerialization_partition":
+      return save_unfused
+  raise errors.BadArgumentError(
+      f"{caller}: partition_fn={partition_fn!r} is not one this package maps: it traces with JAX, "
+      f"not AOTAutograd. Use functorch.compile's default_partition or "
+      f"min_cut_rematerialization_partition, or choose a remat policy with remat= (a preset: "
+      f"{', '.join(_PRESETS)}; a jb.Remat; a jax.checkpoint_policies policy).")
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
   """A named remat policy: `make()` builds the JAX policy (on first use); `offloads` says whether

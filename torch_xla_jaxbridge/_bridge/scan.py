@@ -6,6 +6,7 @@ is converted once and becomes the scan body, so trace and compile time do not gr
 """
 import contextlib
 import copy
+import inspect
 import functools
 import weakref
 from typing import Any, Sequence
@@ -14,6 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge.bridging import Bridged
+from torch_xla_jaxbridge._bridge import layer_check
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import call, modules, runtime, sharding, tracing
@@ -24,18 +26,24 @@ _BY_STRUCTURE = {}
 _BY_LAYER = weakref.WeakKeyDictionary()
 
 
-def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, *, remat: Any = None,
-                shared_args: tuple = (), shared_kwargs: dict = None) -> Any:
+def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, partition_fn: Any = None,
+                is_layer_pure: bool = True, *, remat: Any = None, shared_args: tuple = (),
+                shared_kwargs: dict = None) -> Any:
   """Runs `layers` in sequence on `input_data` as one scanned, bridged computation.
 
-  Same first two arguments as `torch_xla.experimental.scan_layers.scan_layers`. Layer `i` is
-  called as `layer(carry, *shared_args, **shared_kwargs)` and must return a value of the same
-  structure as `carry` (a tensor, or a tuple such as `(hidden, aux)`). Gradients reach each
-  layer's own parameters. Randomness differs per layer and per call.
+  The arguments of `torch_xla.experimental.scan_layers.scan_layers`, and more. Layer `i` is
+  called as `layer(carry, *shared_args, **shared_kwargs)`, or, for a tuple carry the layer
+  cannot take as one argument (`forward(self, x, y, z)`), as `layer(*carry, *shared_args, ...)`
+  (upstream's way). It must return a value of the same structure as `carry` (a tensor, or a
+  tuple such as `(hidden, aux)`). Gradients reach each layer's own parameters. Randomness
+  differs per layer and per call.
 
   Args:
     layers: structurally identical modules (same classes, parameter shapes, plain attributes).
     input_data: the first layer's carry input.
+    partition_fn: upstream's AOTAutograd partitioner, mapped to a remat policy as for `jb.scan`
+      (`default_partition`: keep what `jax.vjp` keeps); or give `remat=`.
+    is_layer_pure: accepted; changes nothing (the trace is always reused per structure).
     remat: policy for the scan body (see docs/remat.md); None keeps what `jax.vjp` keeps
       except the results of elementwise and layout ops (`jb.remat.save_unfused`).
     shared_args, shared_kwargs: extra inputs given unchanged to every layer (positions, masks).
@@ -51,6 +59,7 @@ def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, *, remat: An
   layers = list(layers)
   if not layers:
     return input_data
+  remat = remat_policies.from_partition_fn(partition_fn, remat, "scan_layers")
   stack = _LayerStack.of(layers)
   params, buffers, training = stack.state()
   bridged = _bridged_scan(stack.template(), stack.structure, remat)
@@ -85,7 +94,7 @@ class _LayerStack:
     return stack
 
   def __init__(self, layers):
-    _check_identical(layers)
+    layer_check.identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
     self.walks = [modules.StateWalk(l) for l in layers]
     self.layouts = [walk.walks for walk in self.walks]
@@ -116,7 +125,7 @@ class _LayerStack:
     return dict(zip(names, stacked)), dict(zip(buffer_names, stacked_buffers)), states[0][2]
 
   def _check(self):
-    _check_identical([ref() for ref in self.refs])
+    layer_check.identical([ref() for ref in self.refs])
 
 
 def _bridged_scan(template, structure, remat):
@@ -161,8 +170,8 @@ class StackedLayers(torch.nn.Module):
     layers = list(layers)
     if not layers:
       raise errors.BadArgumentError("StackedLayers: layers is empty; give at least one layer.")
-    _check_identical(layers, "StackedLayers")
-    _check_unshared(layers)
+    layer_check.identical(layers, "StackedLayers")
+    layer_check.unshared(layers)
     remat_policies.policy_for(remat)  # validates `remat`
     self.count, self.remat = len(layers), remat
     self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
@@ -191,19 +200,6 @@ class StackedLayers(torch.nn.Module):
 
   def extra_repr(self):
     return f"count={self.count}, remat={self.remat!r}"
-
-
-def _check_unshared(layers):
-  """Layers sharing a parameter would each get their own copy in the stack: refused."""
-  owner = {}
-  for i, layer in enumerate(layers):
-    for name, param in layer.named_parameters():
-      first = owner.setdefault(id(param), (i, name))
-      if first[0] != i:
-        raise errors.BadArgumentError(
-            f"StackedLayers: layers[{i}] {name!r} is the same parameter as layers[{first[0]}] "
-            f"{first[1]!r}; stacking would give each layer its own copy. Use jb.scan_layers "
-            f"for layers that share parameters.")
 
 
 def _stack_over(layers, name, table, requires_grad):
@@ -253,47 +249,6 @@ def _mixed_dtypes(tensors, count):
   return any(len({t.dtype for t in group}) > 1 for group in _groups(tensors, count))
 
 
-def _check_identical(layers, caller="scan_layers"):
-  first = layers[0]
-  reference = _describe(first)
-  for i, layer in enumerate(layers[1:], start=1):
-    if type(layer) is not type(first):
-      raise errors.BadArgumentError(
-          f"{caller}: layers[{i}] is a {type(layer).__name__}, layers[0] a "
-          f"{type(first).__name__}; every layer must have the same structure.")
-    described = _describe(layer)
-    for name in list(reference) + [k for k in described if k not in reference]:
-      if reference.get(name) != described.get(name):
-        raise errors.BadArgumentError(
-            f"{caller}: layers[{i}] {name!r} is {described.get(name, 'missing')}, but in "
-            f"layers[0] it is {reference.get(name, 'missing')}; every layer must have the same "
-            f"parameters, buffers and attributes.")
-    differ = modules.attribute_differences(first, layer)
-    if differ:
-      name = differ[0]
-      raise errors.BadArgumentError(
-          f"{caller}: layers[{i}] {name!r} is {_attribute(layer, name)!r}, but in layers[0] it "
-          f"is {_attribute(first, name)!r}; the scan runs every layer with layers[0]'s "
-          f"attributes, so they must be equal. Run layers that differ in {name!r} unrolled (e.g. "
-          f"each in its own jb.BridgeModule).")
-
-
-def _describe(layer):
-  """What must match between layers besides attributes: tensors, and each submodule's class."""
-  described = {}
-  for kind, items in (("parameter", layer.named_parameters()), ("buffer", layer.named_buffers())):
-    for name, t in items:
-      described[name] = f"{kind} {tuple(t.shape)} {t.dtype}"
-  for name, sub in layer.named_modules():
-    described[f"{name or '<layer>'} class"] = type(sub).__name__
-  return described
-
-
-def _attribute(module, path):
-  owner, _, name = path.rpartition(".")
-  return getattr(module.get_submodule(owner), name, "missing")
-
-
 class _StackLayers(torch.autograd.Function):
   """Stacks each parameter over the layers (`tensors` name by name, each name's layers in order);
   the backward splits every stacked gradient into the layers' gradients in one graph node, not
@@ -331,7 +286,7 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
     with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
       before = torchax_private.current_key(env)
       out = modules.module_forward(template, wrap(layer_params), buffers_in, training,
-                                     (wrap(carry),) + tuple(shared_args), shared_kwargs)
+                                   layer_args(wrap(carry)), shared_kwargs)
       drew.append(torchax_private.current_key(env) is not before)
     changed = [n for n, b in buffers_in.items() if b.jax() is not layer_buffers[n]]
     if changed:
@@ -348,7 +303,7 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
     return out
 
   # per-layer keys only for layers that draw random numbers: splitting keys costs compile time
-  drew = []
+  drew, layer_args = [], _layer_arguments(template, carry, shared_args, shared_kwargs)
   first_layer = jax.tree.map(lambda a: a[0], (unwrap(params), unwrap(buffers)))
   jax.eval_shape(lambda c, p, b: run_layer(c, p, b, jax.random.key(0)), unwrap(carry),
                  *first_layer)
@@ -362,6 +317,19 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)
   return wrap(final)
+
+
+def _layer_arguments(template, carry, shared_args, shared_kwargs):
+  """How a layer gets the carry: as one argument, or a tuple carry spread over its arguments
+  when the layer's forward cannot take it as one (upstream's way: `forward(self, x, y, z)`)."""
+  shared = tuple(shared_args)
+  if isinstance(carry, tuple):
+    signature = inspect.signature(template.forward)
+    try:
+      signature.bind(carry, *shared, **shared_kwargs)
+    except TypeError:
+      return lambda c: (*c, *shared)
+  return lambda c: (c, *shared)
 
 
 def _residuals_read_whole(body):

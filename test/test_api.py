@@ -1,0 +1,23 @@
+"""assume_pure's upstream keywords: use_cache."""
+import torch
+
+import torch_xla_jaxbridge as jb
+
+
+def test_use_cache_false_traces_every_call(dev):
+  traces = []
+  scale = {"by": 2.0}
+
+  def times(a):
+    traces.append(1)
+    return a * scale["by"]
+
+  cached, every_call = jb.assume_pure(times), jb.assume_pure(times, use_cache=False)
+  x = torch.ones(2, device=dev)
+  assert cached(x).cpu().tolist() == [2.0, 2.0]
+  scale["by"] = 3.0
+  assert cached(x).cpu().tolist() == [2.0, 2.0]  # the trace read scale["by"] once
+  assert every_call(x).cpu().tolist() == [3.0, 3.0]
+  scale["by"] = 4.0
+  assert every_call(x).cpu().tolist() == [4.0, 4.0]
+  assert len(traces) == 3

@@ -39,3 +39,17 @@ def presets() -> list[str]:
 
 def schedules(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
   return torch.optim.lr_scheduler.LambdaLR(optimizer, jb.optim.warmup_cosine(10, 100))
+
+
+def upstream_drop_ins(layers: torch.nn.ModuleList, x: torch.Tensor) -> Any:
+  carry, ys = jb.scan(lambda c, t: (c + t, c * t), torch.zeros_like(x[0]), x)
+  hidden = jb.scan_layers(layers, carry, partition_fn=None, is_layer_pure=True)
+  return jb.checkpoint(layers[0], hidden) + ys.sum()
+
+
+def custom_op_lowering() -> None:
+  jb.register_lowering(torch.ops.aten.gelu, lambda t, approximate="none": t * 2)
+
+
+def stacked(layers: torch.nn.ModuleList) -> jb.StackedLayers:
+  return jb.StackedLayers(layers, remat="full")

@@ -9,7 +9,7 @@ import copy
 import inspect
 import functools
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable
 
 import torch
 
@@ -26,7 +26,7 @@ _BY_STRUCTURE = {}
 _BY_LAYER = weakref.WeakKeyDictionary()
 
 
-def scan_layers(layers: Sequence[torch.nn.Module], input_data: Any, partition_fn: Any = None,
+def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn: Any = None,
                 is_layer_pure: bool = True, *, remat: Any = None, shared_args: tuple = (),
                 shared_kwargs: dict = None) -> Any:
   """Runs `layers` in sequence on `input_data` as one scanned, bridged computation.
@@ -165,7 +165,7 @@ class StackedLayers(torch.nn.Module):
     torch.Size([4, 8, 8])
   """
 
-  def __init__(self, layers: Sequence[torch.nn.Module], *, remat: Any = None):
+  def __init__(self, layers: Iterable[torch.nn.Module], *, remat: Any = None):
     super().__init__()
     layers = list(layers)
     if not layers:

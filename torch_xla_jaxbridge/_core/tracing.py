@@ -271,7 +271,13 @@ def torch_code():
     yield
     return
   jax = runtime.jax_module()
-  env = _with_thread_key(jax)
+  with _entered(jax, _with_thread_key(jax)):
+    yield
+
+
+@contextlib.contextmanager
+def _entered(jax, env):
+  """What every `run_torch` call enters, nested ones included, around the torch code it runs."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(threads.TRACING)
     stack.enter_context(_flag("in_torch_code"))
@@ -313,7 +319,7 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
       stack.enter_context(threads.TRACING)  # the environment's key is set per trace
       if prng is not None:
         stack.enter_context(env.override_property(prng=prng))
-      stack.enter_context(torch_code())
+      stack.enter_context(_entered(jax, env))
       outputs = fn(*t_args, **(t_kwargs or {}))
       drew_random = prng is not None and torchax_private.current_key(env) is not prng  # key was split
   except errors.BridgeError:

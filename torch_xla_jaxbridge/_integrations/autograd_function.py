@@ -60,10 +60,14 @@ def _is_view(value: Any) -> bool:
   return isinstance(value, torchax.tensor.View)
 
 
-def _array(value: Any) -> Any:
-  import torchax.tensor
+def _holds_array(value: Any) -> bool:
+  """Whether `value` is a traced tensor (or a view of one): what crosses a `custom_vjp` as an
+  array; any other leaf, a plain tensor included, stays as it is."""
+  return tracing.is_traced(value) or _is_view(value)
 
-  return value.torch().jax() if isinstance(value, torchax.tensor.View) else value.jax()
+
+def _array(value: Any) -> Any:
+  return value.torch().jax() if _is_view(value) else value.jax()
 
 
 def _zeros_for(value: Any) -> Any:
@@ -80,7 +84,7 @@ def _split(tree: Any) -> tuple:
   state, stay as they are)."""
   jax = runtime.jax_module()
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_tensor)
-  is_tensor = [tracing.is_traced(leaf) or _is_view(leaf) for leaf in leaves]
+  is_tensor = [_holds_array(leaf) for leaf in leaves]
   others = [None if t else leaf for leaf, t in zip(leaves, is_tensor)]
   return tuple(_array(leaf) for leaf, t in zip(leaves, is_tensor) if t), (treedef, is_tensor,
                                                                             others)
@@ -128,7 +132,7 @@ def custom_gradient(name: str, forward: Callable, backward: Callable, args: tupl
   jax = runtime.jax_module()
   top_level = {id(a): i for i, a in enumerate(args) if _is_tensor(a)}
   grad_index = [top_level.get(id(leaf)) for leaf in jax.tree.leaves(list(args), is_leaf=_is_tensor)
-                if _is_tensor(leaf)]  # the argument each tensor is, for its gradient
+                if _holds_array(leaf)]  # the argument each of `_split`'s arrays is, for its grad
   inputs, input_layout = _split(list(args))
   needs_grad = tuple(_is_tensor(a) and a.dtype.is_floating_point for a in args)
   static: dict = {}  # the layouts the forward's trace learns

@@ -20,7 +20,6 @@ from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import runtime, threads, tracing
 
 _SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
-_REGISTERED: dict = {}  # op -> JAX function, from `register_lowering`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +70,10 @@ def registered() -> Active:
     >>> isinstance(registered(), Active)
     True
   """
-  return _REGISTERED_ACTIVE[0]
+  return _REGISTERED[0]
 
 
-_REGISTERED_ACTIVE = [Active()]  # `registered()`, made again at each registration
+_REGISTERED = [Active()]  # `registered()`, replaced at each registration
 
 
 _ATEN_OP_TYPES = (type(torch.ops.aten.mm), type(torch.ops.aten.mm.default))
@@ -164,8 +163,9 @@ def register_lowering(op: Callable, jax_fn: Callable) -> None:
   """
   _check({op: jax_fn}, "register_lowering")
   with _REGISTRATION:
-    _REGISTERED[op] = jax_fn
-    _REGISTERED_ACTIVE[0] = Active(tuple(_REGISTERED.items()))
+    pairs = dict(registered().pairs)
+    pairs[op] = jax_fn
+    _REGISTERED[0] = Active(tuple(pairs.items()))
 
 
 _REGISTRATION = threading.Lock()

@@ -281,6 +281,28 @@ def test_hlo_text_round_trips_through_the_proto():
   assert jax_private.cpu_compiled_memory(again).output_size_in_bytes == 12
 
 
+
+def test_a_wrapped_cpu_lowering_rule_replaces_the_primitives_lowering():
+  primitive = jax_private.conv_general_dilated_primitive()
+  assert primitive is jax.lax.conv_general_dilated_p
+  armed = []
+
+  def wrapper(original):
+    def rule(ctx, *operands, **params):
+      if not armed:  # left installed after the test, it changes nothing
+        return original(ctx, *operands, **params)
+      zeros = lambda x, w: jax.numpy.zeros(ctx.avals_out[0].shape, x.dtype)  # noqa: E731
+      return jax_private.lower_fun(zeros)(ctx, *operands)
+    return rule
+
+  jax_private.wrap_cpu_lowering(primitive, wrapper)
+  x, w = jax.numpy.ones((1, 1, 3)), jax.numpy.ones((1, 1, 1))
+  armed.append(True)
+  replaced = jax.jit(lambda x, w: jax.lax.conv(x, w, (1,), "VALID"))(x, w)
+  armed.clear()
+  original = jax.jit(lambda x, w: jax.lax.conv(x, w, (1,), "VALID"))(x, w)
+  assert replaced.tolist() == [[[0.0, 0.0, 0.0]]] and original.tolist() == [[[1.0, 1.0, 1.0]]]
+
 _COMPAT_LIB = torch.library.Library("jbcompat", "DEF")
 _COMPAT_LIB.define("doubled(Tensor x) -> Tensor")
 _COMPAT_LIB.impl("doubled", lambda x: x * 2, "XLA")

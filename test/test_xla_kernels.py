@@ -226,3 +226,40 @@ def test_torch_xla_quantized_matmul_int8_matches_lazytensor(dev):
   bridged = jb.bridge(fn, fallback=False)(*inputs).cpu()
   torch.testing.assert_close(bridged, lazy, rtol=0, atol=0)
   torch.testing.assert_close(lazy, (x @ w.float().t()) * scale)
+
+
+def _ragged_inputs():
+  """Two sequences (3 and 2 new tokens, 5 and 7 tokens of cache) over 4-token pages; 4 query
+  heads over 2 kv heads (k and v interleaved in the pages)."""
+  torch.manual_seed(0)
+  q = torch.randn(6, 4, 8)
+  kv_pages = torch.randn(5, 4, 4, 8)
+  kv_lens = torch.tensor([5, 7, 0], dtype=torch.int32)
+  page_indices = torch.tensor([[0, 1], [2, 3], [4, 4]], dtype=torch.int32)
+  cu_q_lens = torch.tensor([0, 3, 5, 5], dtype=torch.int32)
+  num_seqs = torch.tensor([2], dtype=torch.int32)
+  return q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_torch_xla_ragged_paged_attention_runs_as_in_lazytensor(dev, use_kernel):
+  from torch_xla.experimental import custom_kernel
+
+  def attention(*inputs):  # a loop over the sequences, read from the tensors (data-dependent)
+    return custom_kernel.ragged_paged_attention(*inputs, sm_scale=0.5, use_kernel=use_kernel)
+
+  inputs = [t.to(dev) for t in _ragged_inputs()]
+  if use_kernel:  # a TPU kernel: LazyTensor cannot run it here, nor can the bridge
+    with pytest.raises(NotImplementedError, match="TPU version must be 4 or higher"):
+      attention(*inputs).cpu()
+    with pytest.warns(jb.errors.FallbackWarning, match="ragged_paged_attention"):
+      with pytest.raises(NotImplementedError, match="TPU version must be 4 or higher"):
+        jb.bridge(attention)(*inputs).cpu()
+    return
+  lazy = attention(*inputs).cpu()
+  with pytest.warns(jb.errors.FallbackWarning, match="attention"):  # reads ints from tensors
+    bridged = jb.bridge(attention)(*inputs).cpu()
+  torch.testing.assert_close(bridged, lazy, rtol=0, atol=0)
+  eager = custom_kernel._ragged_paged_attention_nonkernel(*_ragged_inputs(), None, None,
+                                                          sm_scale=0.5)
+  torch.testing.assert_close(lazy, eager, rtol=1e-5, atol=1e-5)

@@ -241,3 +241,52 @@ def vjp_without_known_values(vjp_fn: Any) -> Any:
   outer = vjp_fn.func
   return partial(functools.partial(outer.func, *outer.args, **outer.keywords),
                  partial(functools.partial(inner.func.func, cleaned, jaxpr), *inner.args))
+
+
+def wrap_cpu_lowering(primitive: Any, wrapper: Callable) -> None:
+  """Replaces `primitive`'s CPU lowering rule by `wrapper(original_rule)`, the rule called as
+  `rule(ctx, *operands, **params)`; `mlir.lower_fun` builds a rule from a JAX function. The
+  project's own rules need it where XLA:CPU wants another form of the same operation
+  (`_core.cpu_convolutions`). Breaks if JAX renames its lowering table: `test_compat` checks.
+  Public alternative: `jax.extend`'s `mlir.register_lowering`, which cannot read the rule it
+  replaces.
+
+  Example:
+    >>> jax = _jax()
+    >>> from jax._src.lax import lax
+    >>> wrap_cpu_lowering(lax.neg_p, lambda rule: rule)
+  """
+  _jax()
+  from jax._src.interpreters import mlir
+
+  table = mlir._platform_specific_lowerings["cpu"]
+  original = table.get(primitive) or mlir._lowerings[primitive]
+  table[primitive] = mlir.LoweringRuleEntry(wrapper(original.rule), original.inline)
+
+
+def lower_fun(fn: Callable) -> Callable:
+  """A lowering rule that lowers the JAX function `fn(*operands)` (one result) in place of the
+  primitive. Public alternative: none (`jax.extend.mlir` has no `lower_fun`).
+
+  Example:
+    >>> callable(lower_fun(lambda x: x))
+    True
+  """
+  _jax()
+  from jax._src.interpreters import mlir
+
+  return mlir.lower_fun(fn, multiple_results=False)
+
+
+def conv_general_dilated_primitive() -> Any:
+  """The primitive `jax.lax.conv_general_dilated` binds; its params are the call's keywords, with
+  `dimension_numbers` a `ConvDimensionNumbers` of (lhs_spec, rhs_spec, out_spec).
+
+  Example:
+    >>> conv_general_dilated_primitive().name
+    'conv_general_dilated'
+  """
+  _jax()
+  from jax._src.lax import convolution
+
+  return convolution.conv_general_dilated_p

@@ -5,6 +5,7 @@ each tensor's shape and dtype, each static (non-tensor) value, and JAX's trace-t
 Functions are held weakly, so closures that die take their entries with them.
 """
 import collections
+import contextlib
 import dataclasses
 import logging
 import re
@@ -14,7 +15,7 @@ import weakref
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
-from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge._core import cpu_convolutions, runtime
 
 logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
 
@@ -61,7 +62,10 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
       if not jax_private.is_leak_error(e):
         raise
       raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
-    lowered = traced.lower(lowering_platforms=(platform or runtime.lowering_platform(),))
+    platform = platform or runtime.lowering_platform()
+    # XLA:CPU's fast convolutions need channels-last form, made for it only in the entry
+    with cpu_convolutions.channels_last() if platform == "cpu" else contextlib.nullcontext():
+      lowered = traced.lower(lowering_platforms=(platform,))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
   computation = torch_xla_private.computation_from_proto(op_name, proto)
   return computation, out_tree[0]

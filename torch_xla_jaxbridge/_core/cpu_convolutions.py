@@ -1,0 +1,77 @@
+"""Convolutions lowered channels-last for XLA:CPU.
+
+XLA:CPU runs a convolution through its fast kernel only in channels-last form (batch, spatial...,
+feature; kernel spatial..., in, out), and rewrites other forms into it only in the program's entry
+computation. In a conditional's branch or a loop's body (a remat policy's backward, `jb.scan`)
+a channels-first convolution stays a naive loop: 20-37x slower here (docs/performance.md).
+While the package lowers for CPU, every convolution is emitted channels-last between transposes,
+which XLA folds into layouts where it can; the values are the same.
+"""
+import contextlib
+import threading
+
+from torch_xla_jaxbridge._compat import jax_private
+
+_ACTIVE = threading.local()  # .on: this thread is lowering for CPU
+_INSTALLED = []
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def channels_last():
+  """Within the block, convolutions this thread lowers are emitted channels-last.
+
+  Example:
+    >>> import jax
+    >>> with channels_last():
+    ...   text = jax.jit(lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")).lower(
+    ...       jax.ShapeDtypeStruct((1, 2, 4, 4), "float32"),
+    ...       jax.ShapeDtypeStruct((3, 2, 1, 1), "float32")).as_text()
+    >>> "[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]" in text
+    True
+  """
+  _install()
+  before = getattr(_ACTIVE, "on", False)
+  _ACTIVE.on = True
+  try:
+    yield
+  finally:
+    _ACTIVE.on = before
+
+
+def _install():
+  with _LOCK:
+    if not _INSTALLED:
+      jax_private.wrap_cpu_lowering(jax_private.conv_general_dilated_primitive(), _rule_over)
+      _INSTALLED.append(True)
+
+
+def _channels_last_specs(rank):
+  spatial = tuple(range(1, rank - 1))
+  return ((0, rank - 1, *spatial), (rank - 1, rank - 2, *range(rank - 2)), (0, rank - 1, *spatial))
+
+
+def _rule_over(original):
+  """The CPU rule: `original` for channels-last convolutions and outside `channels_last()`;
+  otherwise the same convolution between transposes."""
+
+  def rule(ctx, lhs, rhs, *, dimension_numbers, **params):
+    specs = tuple(tuple(s) for s in dimension_numbers)
+    target = _channels_last_specs(len(specs[0]))
+    if not getattr(_ACTIVE, "on", False) or specs == target:
+      return original(ctx, lhs, rhs, dimension_numbers=dimension_numbers, **params)
+    (lhs_spec, rhs_spec, out_spec) = specs
+    primitive = jax_private.conv_general_dilated_primitive()
+
+    def transposed(x, w):
+      x = x.transpose((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+      w = w.transpose((*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+      y = primitive.bind(x, w, dimension_numbers=type(dimension_numbers)(*target), **params)
+      back = [0] * len(out_spec)  # y is (batch, spatial..., feature): where each axis goes
+      for axis, dim in enumerate((out_spec[0], *out_spec[2:], out_spec[1])):
+        back[dim] = axis
+      return y.transpose(back)
+
+    return jax_private.lower_fun(transposed)(ctx, lhs, rhs)
+
+  return rule

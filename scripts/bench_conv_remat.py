@@ -5,9 +5,10 @@ SGD step a step.
 Modes, each in its own process, alternated over `--rounds` rounds:
 - `lazytensor`: plain torch_xla, no checkpoint;
 - `lazytensor checkpoint`: torch_xla's own `torch_xla.utils.checkpoint.checkpoint`;
-- `jb.checkpoint`: the package's (remat "full": the backward recomputes in a conditional);
-- `jb.checkpoint, channels-first`: the same with `_core.cpu_convolutions` switched off, as the
-  package lowered before it (XLA:CPU keeps a conditional's convolutions channels-first).
+- `jb.checkpoint`: the package's (remat "full": the backward recomputes in a conditional).
+
+Commit edb7406 had a fourth mode, `jb.checkpoint` with the package's channels-last convolutions
+switched off (a private switch, so no longer here); its numbers are in docs/performance.md.
 
 Per step after warm-up: wall time until the device is done, median of `--steps`. Temp bytes come
 from the compiled step (`jb.memory_report`). Prints medians [min-max] over rounds, writes JSON.
@@ -15,7 +16,6 @@ from the compiled step (`jb.memory_report`). Prints medians [min-max] over round
   python scripts/bench_conv_remat.py [--rounds 3] [--steps 5] [--kernel 1] [--channels 256]
 """
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("lazytensor", "lazytensor checkpoint", "jb.checkpoint", "jb.checkpoint, channels-first")
+MODES = ("lazytensor", "lazytensor checkpoint", "jb.checkpoint")
 
 
 def child(mode, steps, kernel, channels):
@@ -33,10 +33,7 @@ def child(mode, steps, kernel, channels):
   import torch_xla.utils.checkpoint as xla_checkpoint
 
   import torch_xla_jaxbridge as jb
-  from torch_xla_jaxbridge._core import cpu_convolutions
 
-  if mode.endswith("channels-first"):
-    cpu_convolutions.channels_last = contextlib.nullcontext
   torch.manual_seed(0)
   conv = lambda: torch.nn.Conv2d(channels, channels, kernel, padding=kernel // 2)  # noqa: E731
   blocks = torch.nn.ModuleList(torch.nn.Sequential(conv(), torch.nn.ReLU(), conv(),

@@ -96,6 +96,41 @@ def test_a_bridge_module_falls_back_to_its_bridged_submodules(dev):
   assert jb.bridge_report().row("CoinModel").traces == traces  # one failed try, not one a call
 
 
+class PassOver(torch.nn.Module):
+  """A forward that calls its grandchild directly (`self.model.blocks[i]`), never `self.model`,
+  as Hugging Face's OPT calls `self.model.decoder`."""
+
+  def __init__(self):
+    super().__init__()
+    self.model = CoinModel()
+
+  def forward(self, x):
+    if torch.rand([]) < 0.0:  # data-dependent: cannot be traced
+      x = -x
+    for block in self.model.blocks:
+      x = block(x)
+    return self.model.head(x).squeeze(-1)
+
+
+def test_a_fallback_bridges_the_descendants_its_code_calls_past_their_parent(dev):
+  model = PassOver()
+  moved = copy.deepcopy(model).to(dev)
+  x = torch.randn(4, 8)
+  with pytest.warns(jb.errors.FallbackWarning, match="PassOver runs as plain LazyTensor code"):
+    out = jb.BridgeModule(moved)(x.to(dev))
+  out.sum().backward()
+  torch_xla.sync()
+  expected = model(x)
+  expected.sum().backward()
+  torch.testing.assert_close(out.cpu(), expected)
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), q.grad)
+  # each block one region (its Linear traced in line there, no region of its own)
+  rows = {r.name: r.status for r in jb.bridge_report().rows if r.name.startswith("PassOver")}
+  assert rows == {"PassOver": "fallback", "PassOver.model.blocks.0": "bridged",
+                  "PassOver.model.blocks.1": "bridged", "PassOver.model.head": "bridged"}
+
+
 def test_the_train_step_falls_back_and_trains_as_eager_adamw(dev):
   model, moved = eager_and_xla()
   ref = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -54,6 +54,9 @@ class Settings:
   remat: Any = None
   fallback: bool = True
   hooks: bool = False  # the module's hooks run inside the bridged code (`BridgeModule`)
+  # bridged by a fallback around it: called inside bridged code, it is traced in line there, as
+  # it would be without the bridge (a module bridged by the user is its own region there too)
+  in_line_when_traced: bool = False
 
 
 class ModuleBridge:
@@ -104,6 +107,8 @@ def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
     >>> bridged_forward(layer, Settings("layer"), torch.ones(1, 2, device="xla")).shape
     torch.Size([1, 2])
   """
+  if settings.in_line_when_traced and _any_traced((args, kwargs)):
+    return type(module).forward(module, *args, **kwargs)
   return bridge_of(module, settings)(*args, **kwargs)
 
 
@@ -117,16 +122,16 @@ def _has_parameters(module):
 
 
 def _bridgeable(module, prefix):
-  """`(path, module)` of the submodules to bridge one by one: each child holding parameters,
-  looking through containers."""
+  """`(path, module)` of the submodules to bridge one by one: each descendant holding
+  parameters, looking through containers. Descendants too, not only children: a forward may call
+  a grandchild directly (`self.model.decoder(...)`), passing over its parent."""
   for name, child in module.named_children():
     path = f"{prefix}.{name}" if prefix else name
     if child is None or not _has_parameters(child) or "forward" in vars(child):
       continue  # nothing to gain, or already bridged (or a forward of its own set on it)
-    if _is_container(child):
-      yield from _bridgeable(child, path)
-    else:
+    if not _is_container(child):
       yield path, child
+    yield from _bridgeable(child, path)
 
 
 class bridged_while:  # noqa: N801  (a context manager, used as a function)
@@ -166,7 +171,7 @@ def submodules_bridged(module: torch.nn.Module, settings: Settings) -> bridged_w
     True
   """
   return bridged_while([(child, dataclasses.replace(settings, name=f"{settings.name}.{path}",
-                                                    hooks=False))
+                                                    hooks=False, in_line_when_traced=True))
                         for path, child in _bridgeable(module, "")])
 
 

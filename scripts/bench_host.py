@@ -20,6 +20,9 @@ share the cores with XLA's execution:
 - `anchor_ms`: host time of calling a `jax.jit` function of as many arrays as the step's inputs
   and outputs (parameters, optimizer state, batch; donated), on JAX's CPU device: what a
   dispatch costs without torch_xla.
+- `floor_ms`: torch_xla's own share for the same `tensors` (parameters and optimizer states):
+  one user computation over them and `torch_xla.sync()`, no Python of this package and no
+  data-handle swaps. What any one-node step that updates that many tensors costs at least.
 
 Prints a table of medians [min-max] over rounds and writes JSON.
 
@@ -107,6 +110,7 @@ def child(config, mode, steps):
     one(i, profile)
   result["parts"] = _parts(profile, result["host_ms"])
   result["anchor_ms"] = _anchor(model, optimizer, batches[0])
+  result["floor_ms"], result["tensors"] = _floor(model, optimizer)
   return result
 
 
@@ -150,6 +154,34 @@ def _anchor(model, optimizer, batch):
   return statistics.median(times)
 
 
+def _floor(model, optimizer):
+  """Host ms of torch_xla's own share for as many tensors as the step updates: one user
+  computation over the parameters and optimizer states (each scaled), its outputs taken as the
+  next inputs, and `torch_xla.sync()`; none of this package's Python and no data-handle swaps."""
+  import jax
+  import torch
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+
+  tensors = [p.detach().clone() for p in model.parameters()] + [
+      v.clone() for s in optimizer.state.values() for v in s.values()
+      if torch.is_tensor(v) and v.device.type == "xla" and v.dim() > 0]
+  avals = [jax.ShapeDtypeStruct(tuple(t.shape), jax.numpy.float32) for t in tensors]
+  proto = jax.jit(lambda *xs: [x * 0.999 for x in xs]).lower(*avals).compiler_ir(
+      "hlo").as_serialized_hlo_module_proto()
+  computation = torch_xla._XLAC._xla_op_computation_from_module_proto("xla::floor", proto)
+  torch_xla.sync()
+  times = []
+  for i in range(26):
+    xm.wait_device_ops()
+    start = time.thread_time()
+    tensors = torch_xla._XLAC._xla_user_computation("xla::floor", tensors, computation)
+    torch_xla.sync()
+    if i >= 6:  # the first calls compile
+      times.append((time.thread_time() - start) * 1e3)
+  return statistics.median(times), len(tensors)
+
+
 def run(config, mode, steps):
   proc = subprocess.run([sys.executable, __file__, "--child", config, mode, str(steps)],
                         capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
@@ -160,13 +192,14 @@ def run(config, mode, steps):
 
 def summarize(runs):
   rows = []
-  keys = ["host_ms", "step_cpu_ms", "sync_cpu_ms", "anchor_ms"]
+  keys = ["host_ms", "step_cpu_ms", "sync_cpu_ms", "anchor_ms", "floor_ms"]
   for config in dict.fromkeys(r["config"] for r in runs):
     for mode in dict.fromkeys(r["mode"] for r in runs):
       mine = [r for r in runs if r["config"] == config and r["mode"] == mode]
       if not mine:
         continue
-      row = {"config": config, "mode": mode, "params": mine[0]["params"], "rounds": len(mine)}
+      row = {"config": config, "mode": mode, "params": mine[0]["params"],
+             "tensors": mine[0]["tensors"], "rounds": len(mine)}
       for key in keys:
         values = [r[key] for r in mine]
         row[key] = [statistics.median(values), min(values), max(values)]
@@ -177,12 +210,13 @@ def summarize(runs):
 
 
 def show(rows):
-  print(f"{'config':<7}{'mode':<27}{'params':>7}{'host ms':>22}{'step cpu':>12}{'sync cpu':>12}"
-        f"{'jax.jit':>10}")
+  print(f"{'config':<7}{'mode':<27}{'params':>7}{'tensors':>8}{'host ms':>22}{'step cpu':>10}"
+        f"{'sync cpu':>10}{'jax.jit':>9}{'torch_xla floor':>16}")
   for r in rows:
     span = lambda k: f"{r[k][0]:.2f} [{r[k][1]:.2f}-{r[k][2]:.2f}]"  # noqa: E731
-    print(f"{r['config']:<7}{r['mode']:<27}{r['params']:>7}{span('host_ms'):>22}"
-          f"{r['step_cpu_ms'][0]:>12.2f}{r['sync_cpu_ms'][0]:>12.2f}{r['anchor_ms'][0]:>10.2f}")
+    print(f"{r['config']:<7}{r['mode']:<27}{r['params']:>7}{r['tensors']:>8}{span('host_ms'):>22}"
+          f"{r['step_cpu_ms'][0]:>10.2f}{r['sync_cpu_ms'][0]:>10.2f}{r['anchor_ms'][0]:>9.2f}"
+          f"{r['floor_ms'][0]:>16.2f}")
   for r in rows:
     parts = ", ".join(f"{name} {ms:.2f}" for name, ms in r["parts"].items() if ms >= 0.01)
     print(f"  {r['config']} {r['mode']}: {parts}")

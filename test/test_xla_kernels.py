@@ -263,3 +263,25 @@ def test_torch_xla_ragged_paged_attention_runs_as_in_lazytensor(dev, use_kernel)
   eager = custom_kernel._ragged_paged_attention_nonkernel(*_ragged_inputs(), None, None,
                                                           sm_scale=0.5)
   torch.testing.assert_close(lazy, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_xla_multi_queries_paged_attention_torch_path_runs_as_in_lazytensor(dev):
+  from torch_xla.experimental import custom_kernel
+
+  torch.manual_seed(0)
+  q = torch.randn(2, 3, 4, 8)  # batch 2, 3 queries, 4 query heads over 2 kv heads
+  k_pages, v_pages = torch.randn(2, 4, 4, 8), torch.randn(2, 4, 4, 8)
+  lengths = torch.tensor([5, 7], dtype=torch.int32)
+  page_indices = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+  q_lens = torch.tensor([3, 2], dtype=torch.int32)
+
+  def attention(*inputs):  # reads the lengths on the host (`.cpu()`): data-dependent
+    return custom_kernel.multi_queries_paged_attention(*inputs, 2, 2, use_kernel=False)
+
+  inputs = [t.to(dev) for t in (q, k_pages, v_pages, lengths, page_indices, q_lens)]
+  lazy = attention(*inputs).cpu()
+  with pytest.warns(jb.errors.FallbackWarning, match="attention"):
+    bridged = jb.bridge(attention)(*inputs).cpu()
+  torch.testing.assert_close(bridged, lazy, rtol=0, atol=0)
+  eager = attention(q, k_pages, v_pages, lengths, page_indices, q_lens)
+  torch.testing.assert_close(lazy, eager, rtol=1e-5, atol=1e-5)

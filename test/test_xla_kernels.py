@@ -135,6 +135,27 @@ def test_torch_xla_gmm_autograd_function_matches_lazytensor(dev, interpreted_meg
   torch.testing.assert_close(results["bridged"][2], eager[1].grad, rtol=1e-4, atol=1e-2)
 
 
+def test_torch_xla_gmm_trains_in_a_train_step_as_in_lazytensor(dev, interpreted_megablox):
+  (lhs, rhs, sizes), _ = grouped_inputs()
+  results = {}
+  for run in ("LazyTensor", "train_step"):
+    experts = torch.nn.Parameter(rhs.clone().to(dev))
+    optimizer = jb.optim.SGD([experts], lr=1e-4)
+    tokens, groups = lhs.to(dev), sizes.to(dev)
+    loss_fn = lambda t, g: torch_xla_gmm_with_gradients(t, experts, g)  # noqa: E731
+    if run == "train_step":
+      loss = jb.train_step(loss_fn, optimizer, fallback=False)(tokens, groups)
+    else:
+      loss = loss_fn(tokens, groups)
+      loss.backward()  # GMM's own backward: torch_xla's gmm and tgmm kernels
+      optimizer.step()
+    torch_xla.sync()
+    results[run] = [loss.cpu(), experts.detach().cpu()]
+  for got, want in zip(results["train_step"], results["LazyTensor"]):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+  assert not torch.equal(results["train_step"][1], rhs)  # the step moved the experts
+
+
 def torch_xla_tgmm(lhs, rhs, sizes):
   from torch_xla.experimental import custom_kernel
 

@@ -41,6 +41,17 @@ class CoinModel(torch.nn.Module):
     return self.head(x).squeeze(-1)
 
 
+def _assert_matches_eager(out, moved, model, x):
+  """`out` of the XLA copy `moved` and its parameters' gradients equal eager `model`'s on `x`."""
+  out.sum().backward()
+  torch_xla.sync()
+  expected = model(x)
+  expected.sum().backward()
+  torch.testing.assert_close(out.cpu(), expected)
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), q.grad)
+
+
 def eager_and_xla():
   model = CoinModel()
   return model, copy.deepcopy(model).to("xla")
@@ -81,13 +92,7 @@ def test_a_bridge_module_falls_back_to_its_bridged_submodules(dev):
   x = torch.randn(4, 8)
   with pytest.warns(jb.errors.FallbackWarning, match="CoinModel runs as plain LazyTensor code"):
     out = wrapped(x.to(dev))
-  out.sum().backward()
-  torch_xla.sync()
-  expected = model(x)
-  expected.sum().backward()
-  torch.testing.assert_close(out.cpu(), expected)
-  for p, q in zip(moved.parameters(), model.parameters()):
-    torch.testing.assert_close(p.grad.cpu(), q.grad)
+  _assert_matches_eager(out, moved, model, x)
   rows = {r.name: r.status for r in jb.bridge_report().rows if r.name.startswith("CoinModel")}
   assert rows == {"CoinModel": "fallback", "CoinModel.blocks.0": "bridged",
                   "CoinModel.blocks.1": "bridged", "CoinModel.head": "bridged"}
@@ -118,13 +123,7 @@ def test_a_fallback_bridges_the_descendants_its_code_calls_past_their_parent(dev
   x = torch.randn(4, 8)
   with pytest.warns(jb.errors.FallbackWarning, match="PassOver runs as plain LazyTensor code"):
     out = jb.BridgeModule(moved)(x.to(dev))
-  out.sum().backward()
-  torch_xla.sync()
-  expected = model(x)
-  expected.sum().backward()
-  torch.testing.assert_close(out.cpu(), expected)
-  for p, q in zip(moved.parameters(), model.parameters()):
-    torch.testing.assert_close(p.grad.cpu(), q.grad)
+  _assert_matches_eager(out, moved, model, x)
   # each block one region (its Linear traced in line there, no region of its own)
   rows = {r.name: r.status for r in jb.bridge_report().rows if r.name.startswith("PassOver")}
   assert rows == {"PassOver": "fallback", "PassOver.model.blocks.0": "bridged",

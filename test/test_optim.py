@@ -315,7 +315,10 @@ def test_a_handed_out_state_dict_sees_later_steps_and_nothing_compiles_again(dev
     compiles.append(met.metric_data("CompileTime")[0])
     if step == 2:
       saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
-  assert compiles[-1] == compiles[1]  # state_dict() changed nothing in the step's program
+  # the handed-out state tensors are views of the flat buffers: the sync after state_dict()
+  # computes them once (one more program); the step's own program never changes
+  assert compiles[1] == compiles[2] and compiles[3] == compiles[2] + 1
+  assert compiles[-1] == compiles[3]
   params = list(model.parameters())
   for i, key in [(i, key) for i in range(4) for key in ("exp_avg", "exp_avg_sq")]:
     torch.testing.assert_close(saved["state"][i][key].cpu(), ref_saved["state"][i][key])
@@ -328,7 +331,8 @@ def test_the_docs_table_lists_every_optimizer():
   assert rows == [(name, cls.__name__) for name, cls in jb.optim.optimizers().items()]
 
 
-@pytest.mark.parametrize("change", ["replace a moment", "clear the state"])
+@pytest.mark.parametrize("change", ["replace a moment", "scale a moment in place",
+                                    "clear the state"])
 def test_a_state_changed_between_steps_is_used_as_torch_uses_it(dev, change):
   """The optimizer keeps its step plan from step to step: a state the user replaced or cleared
   makes a new plan, never a silently ignored change."""
@@ -344,8 +348,29 @@ def test_a_state_changed_between_steps_is_used_as_torch_uses_it(dev, change):
       if step == 1 and change == "replace a moment":
         p = next(model.parameters())
         opt.state[p]["exp_avg"] = torch.full_like(p, 0.5)
+      elif step == 1 and change == "scale a moment in place":  # a view of the flat buffer
+        opt.state[list(model.parameters())[2]]["exp_avg_sq"].mul_(4.0)
       elif step == 1:
         opt.state.clear()
     results.append([p.detach().cpu() for p in model.parameters()])
   for a, b in zip(*results):
     torch.testing.assert_close(a, b)
+
+
+def test_the_step_updates_one_flat_buffer_per_state_name_not_a_tensor_per_parameter(dev):
+  """AdamW's moments of all parameters live in two buffers (exp_avg, exp_avg_sq) that the step
+  writes in place; optimizer.state shows them per parameter as views, in torch's layout."""
+  model = mlp(dev)
+  opt = jb.optim.AdamW(model.parameters(), lr=0.1)
+  step = jb.train_step(lambda x: model(x).square().mean(), opt)
+  x = torch.ones(2, 6, device=dev)
+  step(x)
+  torch_xla.sync()
+  report = jb.memory_report(lambda: step(x))
+  params = list(model.parameters())
+  assert report.outputs == len(params) + 2 + 1  # parameters, the two buffers, the loss
+  assert report.alias_bytes == 3 * sum(p.numel() * 4 for p in params)
+  state = opt.state[params[0]]
+  assert list(state) == ["step", "exp_avg", "exp_avg_sq"]
+  assert state["exp_avg"].shape == params[0].shape and state["exp_avg"] is state["exp_avg"]
+  assert type(copy.deepcopy(state)) is dict  # pickled or copied as torch's plain dict

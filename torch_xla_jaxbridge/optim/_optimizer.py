@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._core import call
+from torch_xla_jaxbridge._core import call, sharding
 from torch_xla_jaxbridge.optim._plan import Plan, make_plan
 from torch_xla_jaxbridge.optim._state import TorchLayout
 from torch_xla_jaxbridge.optim._step import apply_rule
@@ -119,7 +119,8 @@ class RuleOptimizer(TorchLayout):
 
   def prepare(self, params: list) -> tuple:
     """For one step of `params` (in `param_groups` order, each with a gradient): their state
-    dicts of XLA tensors (zeros on a parameter's first step), the step's scalars (a CPU float32
+    dicts of XLA tensors (zeros on a parameter's first step; without SPMD the flat buffers
+    holding them, `statics["layout"]` saying where), the step's scalars (a CPU float32
     tensor: each row's hyperparameters, then max_grad_norm) and `apply_rule`'s static
     arguments. Changes nothing until `take` commits it (new states, step counts), so a step that
     fails in between leaves the optimizer as it was. `jb.train_step` calls it too."""
@@ -127,7 +128,7 @@ class RuleOptimizer(TorchLayout):
     signature = tuple(tuple(sorted(rule.options(g).items())) for g in self.param_groups)
     if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
-                             self.init_state)
+                             self.init_state, flat=not sharding.spmd_enabled())
     plan = self._plan
     scalars: list[float] = []
     names: tuple = ()
@@ -137,5 +138,6 @@ class RuleOptimizer(TorchLayout):
       scalars.extend(hyper[n] for n in names)
     scalars.append(float(self.max_grad_norm or 0.0))
     statics = dict(rule=rule, names=names, options=tuple(row.options for row in plan.rows),
-                   rows=plan.row_of, clip=self.max_grad_norm is not None)
+                   rows=plan.row_of, clip=self.max_grad_norm is not None,
+                   layout=plan.flat and plan.flat.layout)
     return plan.states, torch.tensor(scalars, dtype=torch.float32), statics

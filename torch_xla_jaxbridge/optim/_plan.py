@@ -4,13 +4,16 @@ Parameters of one group at one step count share their hyperparameters: a `Row`. 
 each parameter of a step onto its row and holds the state tensors the step reads, so a step
 costs Python work per row (the hyperparameters, read on the host) and not per parameter; it is
 made again only when the parameters, their groups' static options or the state change. A row's
-parameters share one `step` tensor (torch's CPU count, updated in place as torch does).
+parameters share one `step` tensor (torch's CPU count, updated in place as torch does). Without
+SPMD the states live in flat buffers (`_flat`): the step reads and writes a few tensors, not two
+or three per parameter.
 """
 import dataclasses
 from typing import Any, Optional
 
 import torch
 
+from torch_xla_jaxbridge.optim._flat import FlatBuffers, FlatLayout, FlatState
 from torch_xla_jaxbridge.optim._rule import Rule
 
 
@@ -37,9 +40,11 @@ class Plan:
   signature: tuple  # each group's static options when the plan was made
   rows: list
   row_of: tuple  # each parameter's row
-  states: list  # each parameter's state tensors read by the rule (not its step)
+  states: list  # each parameter's state tensors read by the rule (not its step); flat: buffers
   created: list  # (parameter, state) made by this plan, kept when its step is committed
   targets: Optional[list] = None  # the parameters and states a step replaces, once checked
+  flat: Optional[FlatBuffers] = None  # the buffers holding the states (`states` is its list)
+  holders: list = dataclasses.field(default_factory=list)  # (parameter, FlatState) to commit
 
   def fits(self, params: list, signature: tuple, state: Any) -> bool:
     """Whether the plan serves a step of `params` under these group options, with the
@@ -47,6 +52,10 @@ class Plan:
     makes a new plan, never a silently ignored change)."""
     if self.created or signature != self.signature or tuple(map(id, params)) != self.ids:
       return False
+    if self.flat is not None:
+      return all(found is holder and not found.changed and found.step is self.rows[row].step_tensor
+                 for found, (_, holder), row in zip(map(state.get, params), self.holders,
+                                                    self.row_of))
     for p, kept, row in zip(params, self.states, self.row_of):
       found = state.get(p) or {}
       if found.get("step") is not self.rows[row].step_tensor:
@@ -58,10 +67,10 @@ class Plan:
 
 
 def make_plan(rule: Rule, groups: list, state: Any, params: list, signature: tuple,
-              init_state: Any) -> Plan:
+              init_state: Any, flat: bool = False) -> Plan:
   """The plan of a step of `params` (each in one of `groups`, in their order): each parameter's
   row by (group, step count, first step), states read from `state` or made by
-  `init_state(p, options)` for a parameter without one.
+  `init_state(p, options)` for a parameter without one; with `flat`, held in flat buffers.
 
   Example:
     >>> from torch_xla_jaxbridge.optim._sgd import SGD
@@ -98,4 +107,22 @@ def make_plan(rule: Rule, groups: list, state: Any, params: list, signature: tup
       if rule.counts_steps:
         found["step"] = rows[by_key[key]].step_tensor  # one tensor, updated in place, a row
       states.append({k: v for k, v in found.items() if k != "step"})
-  return Plan(tuple(map(id, params)), signature, rows, tuple(row_of), states, created)
+  plan = Plan(tuple(map(id, params)), signature, rows, tuple(row_of), states, created)
+  if flat and any(states):
+    _flatten(plan, [state.get(p) for p in params], params)
+  return plan
+
+
+def _flatten(plan: Plan, found: list, params: list) -> None:
+  """Puts `plan`'s states in flat buffers: the ones they are already in when every parameter's
+  state is an unchanged view of the same buffers laid out for these parameters, else new ones."""
+  owner = getattr(found[0], "owner", None)
+  if owner is not None and owner.ids == plan.ids and all(
+      isinstance(f, FlatState) and f.owner is owner and not f.changed for f in found):
+    plan.holders = list(zip(params, found))
+  else:
+    layout = FlatLayout.of(plan.states)
+    owner = FlatBuffers(layout, layout.gather(plan.states, params[0].device), plan.ids)
+    plan.holders = [(p, FlatState(owner, i, plan.rows[row].step_tensor))
+                    for i, (p, row) in enumerate(zip(params, plan.row_of))]
+  plan.states, plan.flat = owner.buffers, owner

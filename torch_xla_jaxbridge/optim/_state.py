@@ -55,16 +55,21 @@ class TorchLayout(torch.optim.Optimizer):
     if plan is None:
       raise errors.UsageError("take() commits the step that prepare() planned: call prepare() first")
     for p, created in plan.created:
-      if created:
+      if created and plan.flat is None:
         self.state[p] = created
+    for p, holder in plan.holders:
+      self.state[p] = holder
     for row in plan.rows:
       row.step += 1
       if row.step_tensor is not None:
         row.step_tensor.fill_(row.step)
     if plan.created:
       self._plan = None  # the next step reads the new states (and is no longer the first)
+    if plan.targets is None and plan.flat is not None:
+      plan.targets = list(params) + list(plan.flat.buffers)
     if plan.targets is not None:  # checked at an earlier step of this plan: same tensors
-      news = list(new_params) + [new for new_state in new_states for new in new_state.values()]
+      news = list(new_params) + (list(new_states) if plan.flat is not None else
+                                 [new for new_state in new_states for new in new_state.values()])
       torch_xla_private.replace_data_many(plan.targets, news)
     else:
       olds, news = list(params), list(new_params)

@@ -2,6 +2,7 @@
 from typing import Any, Optional
 
 from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge.optim._flat import FlatLayout
 from torch_xla_jaxbridge.optim._rule import Rule
 
 
@@ -13,15 +14,18 @@ def _sum_of_squares(jnp, g):
 
 
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
-               names: tuple, options: tuple, clip: bool, rows: Optional[tuple] = None) -> tuple:
+               names: tuple, options: tuple, clip: bool, rows: Optional[tuple] = None,
+               layout: Optional[FlatLayout] = None) -> tuple:
   """New parameters, new states and the gradients' global 2-norm (before clipping) after one
   step of `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
   with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
+  With `layout`, `states` (and the new states returned) are its flat buffers.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from torch_xla_jaxbridge.optim._rule import Rule
+    >>> from torch_xla_jaxbridge.optim._flat import FlatLayout
+from torch_xla_jaxbridge.optim._rule import Rule
     >>> plain = Rule("plain", lambda shape, dtype, options: {},
     ...              lambda p, g, state, hyper, options: (p - hyper["lr"] * g, state),
     ...              lambda group, step: {"lr": group["lr"]})
@@ -31,6 +35,7 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     ([-0.5, -0.5], 18.0)
   """
   jnp = runtime.jax_module().numpy
+  buffers, states = states, layout.split(states) if layout is not None else states
   norms = jnp.stack([jnp.sqrt(_sum_of_squares(jnp, g)) for g in grads])  # as clip_grad_norm_:
   grad_norm = jnp.sqrt(jnp.sum(norms * norms))                           # the norm of the norms
   if clip:
@@ -45,4 +50,6 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     new_params.append(new_p.astype(p.dtype))
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})
+  if layout is not None:
+    new_states = layout.join(new_states, buffers, jnp)
   return new_params, new_states, grad_norm

@@ -1,0 +1,157 @@
+"""The optimizer state of a step's parameters kept in a few flat buffers, seen in torch's layout.
+
+A step's graph costs host time per tensor it updates (torch_xla's sync and data handles, about
+10 us each), and AdamW keeps two state tensors per parameter. So the state of the parameters a
+step updates lives in one 1-D buffer per (state name, dtype), which the step's node reads and
+writes whole. `optimizer.state[p]` is a `FlatState`: its tensors are views of those buffers,
+made when read, so they follow later steps and an in-place change of one reaches the buffer, as
+with torch's own state tensors; `state[p][name] = tensor` (or a loaded state dict) makes the
+next step build new buffers from the values.
+"""
+import weakref
+from collections.abc import MutableMapping
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class FlatLayout:
+  """Where each parameter's state lives: per parameter `(name, buffer, offset, shape)` entries
+  into buffers named `(state name, dtype)`. A static argument of the step (hashable).
+
+  Example:
+    >>> layout = FlatLayout.of([{"m": torch.zeros(2, 3)}, {"m": torch.zeros(4)}])
+    >>> layout.entries, layout.sizes
+    ((('m', 0, 0, (2, 3)),), (('m', 0, 6, (4,)),)), (10,)
+  """
+
+  def __init__(self, names: tuple, entries: tuple, sizes: tuple):
+    self.names, self.entries, self.sizes = names, entries, sizes
+    self._hash = hash((names, entries))
+
+  @classmethod
+  def of(cls, states: list) -> "FlatLayout":
+    """The layout of `states` (each parameter's `{name: tensor}`), in their order."""
+    names: dict = {}
+    sizes: list[int] = []
+    entries = []
+    for state in states:
+      mine = []
+      for name, tensor in state.items():
+        buffer = names.setdefault((name, str(tensor.dtype)), len(names))
+        if buffer == len(sizes):
+          sizes.append(0)
+        mine.append((name, buffer, sizes[buffer], tuple(tensor.shape)))
+        sizes[buffer] += tensor.numel()
+      entries.append(tuple(mine))
+    return cls(tuple(names), tuple(entries), tuple(sizes))
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, FlatLayout) and self._hash == other._hash and
+            (self.names, self.entries) == (other.names, other.entries))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def gather(self, states: list, device: Any) -> list:
+    """The buffers holding `states` (torch tensors, laid out as `of(states)` lays them out)."""
+    pieces: list[list] = [[] for _ in self.names]
+    for state, entries in zip(states, self.entries):
+      for name, buffer, _, _ in entries:
+        pieces[buffer].append(state[name].detach().to(device).reshape(-1))
+    return [torch.cat(p) if len(p) > 1 else p[0].clone() for p in pieces]
+
+  def split(self, buffers: list) -> list:
+    """Inside the step (JAX arrays): each parameter's state dict read from the buffers."""
+    return [{name: buffers[b][offset:offset + _numel(shape)].reshape(shape)
+             for name, b, offset, shape in entries} for entries in self.entries]
+
+  def join(self, states: list, buffers: list, jnp: Any) -> list:
+    """Inside the step: new buffers holding `states` (each cast to its buffer's dtype)."""
+    pieces: list[list] = [[] for _ in self.names]
+    for state, entries in zip(states, self.entries):
+      for name, b, _, _ in entries:
+        pieces[b].append(state[name].astype(buffers[b].dtype).reshape(-1))
+    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in pieces]
+
+
+def _numel(shape: tuple) -> int:
+  n = 1
+  for d in shape:
+    n *= d
+  return n
+
+
+class FlatBuffers:
+  """The buffers of one layout and the parameters (by id, in order) whose state they hold."""
+
+  def __init__(self, layout: FlatLayout, buffers: list, ids: tuple):
+    self.layout, self.buffers, self.ids = layout, buffers, ids
+
+
+class FlatState(MutableMapping):
+  """One parameter's optimizer state: its `step` count and views of the flat buffers by name.
+
+  A view read while another reader still holds it is the same tensor. Setting or deleting a
+  name keeps the value given here and marks the state `changed` (the next step rebuilds the
+  buffers from it).
+
+  Example:
+    >>> layout = FlatLayout.of([{"exp_avg": torch.zeros(2)}])
+    >>> state = FlatState(FlatBuffers(layout, [torch.arange(2.0)], (0,)), 0, None)
+    >>> state["exp_avg"].tolist(), list(state), state.changed
+    ([0.0, 1.0], ['exp_avg'], False)
+  """
+
+  def __init__(self, owner: FlatBuffers, index: int, step: Optional[torch.Tensor]):
+    self.owner, self.index, self.step = owner, index, step
+    self.given: dict = {}  # names set (or deleted: None) since the buffers were made
+    self._views: dict = {}  # name -> weak reference to the view handed out last
+
+  @property
+  def changed(self) -> bool:
+    return bool(self.given)
+
+  def _entries(self) -> dict:
+    return {name: (b, offset, shape) for name, b, offset, shape in
+            self.owner.layout.entries[self.index]}
+
+  def __getitem__(self, name: str) -> Any:
+    if name == "step" and self.step is not None:
+      return self.step
+    if name in self.given:
+      if self.given[name] is None:
+        raise KeyError(name)
+      return self.given[name]
+    b, offset, shape = self._entries()[name]
+    held = self._views.get(name)
+    view = held() if held is not None else None
+    if view is None:
+      view = self.owner.buffers[b].narrow(0, offset, _numel(shape)).view(shape)
+      self._views[name] = weakref.ref(view)
+    return view
+
+  def __setitem__(self, name: str, value: Any) -> None:
+    if name == "step":
+      self.step = value
+    else:
+      self.given[name] = value
+
+  def __delitem__(self, name: str) -> None:
+    self[name]  # a KeyError for a name it does not hold
+    if name == "step":
+      self.step = None
+    else:
+      self.given[name] = None
+
+  def __iter__(self) -> Iterator[str]:
+    names = [] if self.step is None else ["step"]
+    names += [n for n in self._entries() if self.given.get(n, True) is not None]
+    names += [n for n, v in self.given.items() if v is not None and n not in names]
+    return iter(names)
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
+
+  def __reduce__(self) -> tuple:
+    return (dict, (dict(self.items()),))  # pickled or deep-copied as torch's plain dict

@@ -20,7 +20,8 @@ share the cores with XLA's execution:
 - `anchor_ms`: host time of calling a `jax.jit` function of as many arrays as the step's inputs
   and outputs (parameters, optimizer state, batch; donated), on JAX's CPU device: what a
   dispatch costs without torch_xla.
-- `floor_ms`: torch_xla's own share for the same `tensors` (parameters and optimizer states):
+- `floor_ms`: torch_xla's own share for the same `tensors` (parameters and optimizer states; a
+  `jb.optim` optimizer's states are one flat buffer per (state name, dtype) without SPMD):
   one user computation over them and `torch_xla.sync()`, no Python of this package and no
   data-handle swaps. What any one-node step that updates that many tensors costs at least.
 
@@ -130,28 +131,41 @@ def _anchor(model, optimizer, batch):
   import jax
   import jax.numpy as jnp
 
-  shapes = [tuple(p.shape) for p in model.parameters()]
-  states = sum(len([v for v in s.values() if getattr(v, "device", None) is not None and
-                    v.device.type == "xla"]) for s in optimizer.state.values())
-  params = [jnp.zeros(s, jnp.float32) for s in shapes]
-  moments = [jnp.zeros(s, jnp.float32) for _ in range(max(1, states // max(1, len(shapes))))
-             for s in shapes]
+  arrays = [jnp.zeros(tuple(t.shape), jnp.float32) for t in _updated(model, optimizer)]
   x = jnp.zeros(tuple(batch[0].shape), jnp.int32)
 
-  @jax.jit
-  def step(params, moments, x):
-    return [p * 0.999 for p in params], [m * 0.9 for m in moments], jnp.sum(x)
+  def step(arrays, x):
+    return [a * 0.999 for a in arrays], jnp.sum(x)
 
-  donated = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
-  out = donated(params, moments, x)
+  donated = jax.jit(step, donate_argnums=(0,))
+  out = donated(arrays, x)
   jax.block_until_ready(out)
   times = []
   for _ in range(20):
     start = time.thread_time()  # the dispatch; XLA:CPU runs the program on its own threads
-    out = donated(out[0], out[1], x)
+    out = donated(out[0], x)
     times.append((time.thread_time() - start) * 1e3)
     jax.block_until_ready(out)
   return statistics.median(times)
+
+
+def _updated(model, optimizer):
+  """Copies of the tensors a step updates: the parameters and the optimizer's state, which
+  `jb.optim` keeps (without SPMD) in one flat buffer per (state name, dtype) (docs/optim.md)."""
+  import torch
+  import torch_xla.runtime as xr
+
+  import torch_xla_jaxbridge as jb
+
+  buffers = {}
+  for state in optimizer.state.values():
+    for name, v in state.items():
+      if torch.is_tensor(v) and v.device.type == "xla" and v.dim() > 0:
+        buffers.setdefault((name, v.dtype), []).append(v.detach().reshape(-1))
+  flat = isinstance(optimizer, jb.optim.RuleOptimizer) and not xr.is_spmd()
+  states = ([torch.cat(vs) for vs in buffers.values()] if flat else
+            [v.clone() for vs in buffers.values() for v in vs])
+  return [p.detach().clone() for p in model.parameters()] + states
 
 
 def _floor(model, optimizer):
@@ -163,9 +177,7 @@ def _floor(model, optimizer):
   import torch_xla
   import torch_xla.core.xla_model as xm
 
-  tensors = [p.detach().clone() for p in model.parameters()] + [
-      v.clone() for s in optimizer.state.values() for v in s.values()
-      if torch.is_tensor(v) and v.device.type == "xla" and v.dim() > 0]
+  tensors = _updated(model, optimizer)
   avals = [jax.ShapeDtypeStruct(tuple(t.shape), jax.numpy.float32) for t in tensors]
   proto = jax.jit(lambda *xs: [x * 0.999 for x in xs]).lower(*avals).compiler_ir(
       "hlo").as_serialized_hlo_module_proto()

@@ -63,8 +63,8 @@ def prepare(cfg, device):
 def make_step(cfg, model, optimizer):
   """One training step on a batch: returns (loss, the gradients' norm before clipping or None,
   the learning rate of the step), all without waiting for the device. With `remat.bridge=step`
-  the whole step is one graph node (`jb.train_step`); otherwise forward, `loss.backward()` and
-  the optimizer's step.
+  the whole step is one graph node (`jb.train_step`) unless `train.master_weights`; otherwise
+  forward, `loss.backward()` and the optimizer's step.
 
   Example:
     >>> cfg = config.load(["train.steps=1"])
@@ -75,7 +75,9 @@ def make_step(cfg, model, optimizer):
   t = cfg["train"]
   loss_of = lambda inputs, targets: torch.nn.functional.cross_entropy(  # noqa: E731
       model(inputs).flatten(0, 1), targets.flatten())
-  if cfg["remat"]["bridge"] == "step":
+  # master weights: the optimizer trains float32 copies the loss does not read, so the step is
+  # forward, backward and the optimizer's step (its hooks move the gradients and values)
+  if cfg["remat"]["bridge"] == "step" and not t["master_weights"]:
     fused = jb.train_step(loss_of, optimizer, fallback=cfg["remat"]["fallback"])
 
     def step(inputs, targets, schedule):

@@ -22,7 +22,7 @@ class FlatLayout:
   Example:
     >>> layout = FlatLayout.of([{"m": torch.zeros(2, 3)}, {"m": torch.zeros(4)}])
     >>> layout.entries, layout.sizes
-    ((('m', 0, 0, (2, 3)),), (('m', 0, 6, (4,)),)), (10,)
+    (((('m', 0, 0, (2, 3)),), (('m', 0, 6, (4,)),)), (10,))
   """
 
   def __init__(self, names: tuple, entries: tuple, sizes: tuple):

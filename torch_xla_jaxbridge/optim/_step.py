@@ -24,8 +24,7 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from torch_xla_jaxbridge.optim._flat import FlatLayout
-from torch_xla_jaxbridge.optim._rule import Rule
+    >>> from torch_xla_jaxbridge.optim._rule import Rule
     >>> plain = Rule("plain", lambda shape, dtype, options: {},
     ...              lambda p, g, state, hyper, options: (p - hyper["lr"] * g, state),
     ...              lambda group, step: {"lr": group["lr"]})

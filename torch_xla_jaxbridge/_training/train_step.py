@@ -91,11 +91,10 @@ class TrainStep:
     if shardings is not None:  # parameters and states stay sharded as the parameters are
       new_params, new_states, _ = update
       sharding.shard_like(new_params, shardings)
-      for param, state, shard in zip(new_params, new_states, shardings):
-        if not isinstance(state, dict):  # flat buffers (a plan made before SPMD was on)
-          break
-        like = [t for t in state.values() if t.shape == param.shape]  # not factored statistics
-        sharding.shard_like(like, [shard] * len(like))
+      if statics["layout"] is None:  # not flat state buffers (made only without SPMD)
+        for param, state, shard in zip(new_params, new_states, shardings):
+          like = [t for t in state.values() if t.shape == param.shape]  # not factored stats
+          sharding.shard_like(like, [shard] * len(like))
     optimizer.take(params, update)
     return loss
 

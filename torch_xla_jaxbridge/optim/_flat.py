@@ -8,6 +8,7 @@ made when read, so they follow later steps and an in-place change of one reaches
 with torch's own state tensors; `state[p][name] = tensor` (or a loaded state dict) makes the
 next step build new buffers from the values.
 """
+import math
 import weakref
 from collections.abc import MutableMapping
 from typing import Any, Iterator, Optional
@@ -21,12 +22,12 @@ class FlatLayout:
 
   Example:
     >>> layout = FlatLayout.of([{"m": torch.zeros(2, 3)}, {"m": torch.zeros(4)}])
-    >>> layout.entries, layout.sizes
-    (((('m', 0, 0, (2, 3)),), (('m', 0, 6, (4,)),)), (10,))
+    >>> layout.entries
+    ((('m', 0, 0, (2, 3)),), (('m', 0, 6, (4,)),))
   """
 
-  def __init__(self, names: tuple, entries: tuple, sizes: tuple):
-    self.names, self.entries, self.sizes = names, entries, sizes
+  def __init__(self, names: tuple, entries: tuple):
+    self.names, self.entries = names, entries
     self._hash = hash((names, entries))
 
   @classmethod
@@ -44,7 +45,7 @@ class FlatLayout:
         mine.append((name, buffer, sizes[buffer], tuple(tensor.shape)))
         sizes[buffer] += tensor.numel()
       entries.append(tuple(mine))
-    return cls(tuple(names), tuple(entries), tuple(sizes))
+    return cls(tuple(names), tuple(entries))
 
   def __eq__(self, other: object) -> bool:
     return (isinstance(other, FlatLayout) and self._hash == other._hash and
@@ -63,7 +64,7 @@ class FlatLayout:
 
   def split(self, buffers: list) -> list:
     """Inside the step (JAX arrays): each parameter's state dict read from the buffers."""
-    return [{name: buffers[b][offset:offset + _numel(shape)].reshape(shape)
+    return [{name: buffers[b][offset:offset + math.prod(shape)].reshape(shape)
              for name, b, offset, shape in entries} for entries in self.entries]
 
   def join(self, states: list, buffers: list, jnp: Any) -> list:
@@ -73,13 +74,6 @@ class FlatLayout:
       for name, b, _, _ in entries:
         pieces[b].append(state[name].astype(buffers[b].dtype).reshape(-1))
     return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in pieces]
-
-
-def _numel(shape: tuple) -> int:
-  n = 1
-  for d in shape:
-    n *= d
-  return n
 
 
 class FlatBuffers:
@@ -127,7 +121,7 @@ class FlatState(MutableMapping):
     held = self._views.get(name)
     view = held() if held is not None else None
     if view is None:
-      view = self.owner.buffers[b].narrow(0, offset, _numel(shape)).view(shape)
+      view = self.owner.buffers[b].narrow(0, offset, math.prod(shape)).view(shape)
       self._views[name] = weakref.ref(view)
     return view
 

@@ -8,7 +8,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge.recipes import config, data, train
+from torch_xla_jaxbridge.recipes import config, data, llama, train
 
 
 def quiet(line):
@@ -148,3 +148,14 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
 def test_mixtral_variant_trains(tmp_path):
   losses = three_steps(tmp_path, "model=mixtral-tiny")
   assert all(l == l for l in losses) and losses[-1] < losses[0]
+
+
+def test_llama_1b_config_has_llama_3_2_1b_shapes():
+  m = config.load(["model=llama-1b"])["model"]
+  with torch.device("meta"):
+    model = llama.Llama(vocab=m["vocab"], dim=m["dim"], layers=m["layers"], heads=m["heads"],
+                        kv_heads=m["kv_heads"], hidden=m["hidden"])
+  d, kv = m["dim"], m["dim"] // m["heads"] * m["kv_heads"]
+  layer = 2 * d * d + 2 * d * kv + 3 * d * m["hidden"] + 2 * d
+  expected = 2 * m["vocab"] * d + m["layers"] * layer + d
+  assert sum(p.numel() for p in model.parameters()) == expected == 1_498_482_688

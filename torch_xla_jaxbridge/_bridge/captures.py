@@ -174,7 +174,7 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True) -> Optional[Lifted]
       tensors.extend(buffers.values())
       layout.append((where, name, "module", tuple(params), tuple(buffers), (token, training)))
   lifted = Lifted(tensors, tuple(layout))
-  if xla:
+  if xla and not all([t.is_xla for t in tensors]):  # names only to say which one is not
     for name, tensor in zip(lifted.names(), lifted.tensors):
       if not tensor.is_xla:
         raise errors.BadArgumentError(

@@ -22,5 +22,6 @@ setup(
                                           "recipes/configs/model/*.yaml", "recipes/data/*"]},
     python_requires=">=3.11",
     install_requires=STACK,
-    extras_require={"test": ["pytest", "transformers==4.57.1", "mypy==1.13.0"]},
+    extras_require={"test": ["pytest", "transformers==4.57.1", "mypy==1.13.0", "accelerate==1.11.0",
+                             "torchvision==0.24.0"]},
 )

@@ -498,3 +498,13 @@ def test_a_tensor_passed_twice_is_one_tensor_in_the_trace(dev):
   w = torch.ones(2, device=dev, requires_grad=True)
   jb.bridge(lambda a, b: (a * b).sum())(w, w).backward()  # d(w.w)/dw = 2w
   assert w.grad.cpu().tolist() == [2.0, 2.0]
+
+
+def test_bridged_code_sees_the_xla_device_of_its_inputs(dev):
+  """Code that branches on the device type takes the branch it takes in plain torch_xla."""
+  def scaled(x):
+    assert x.device == dev and x[:1].device.type == "xla"
+    return x * 2 if x.device.type == "xla" else x
+
+  x = torch.arange(3.0, device=dev)
+  assert jb.bridge(scaled)(x).cpu().tolist() == [0.0, 2.0, 4.0]

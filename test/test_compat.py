@@ -352,3 +352,25 @@ def test_functorch_transforms_active_is_seen_under_vmap():
   seen = []
   torch.vmap(lambda t: seen.append(torch_private.functorch_transforms_active()) or t)(torch.ones(2))
   assert seen == [True]
+
+
+def test_torchax_renames_the_backend_through_torch_utils_at_import():
+  import inspect
+
+  import torchax
+
+  source = inspect.getsource(torchax)
+  assert "torch.utils.rename_privateuse1_backend(" in source
+  assert "torch._register_device_module(" in source
+
+
+def test_torchax_tensors_report_their_device_through_a_property():
+  import torchax.tensor
+  import torchax.view
+
+  tracing.environment()
+  for cls in (torchax.tensor.Tensor, torchax.view.View):
+    assert isinstance(cls.__dict__["device"], property)
+  with tracing.torch_code():
+    tensor = tracing.to_torchax(jax.numpy.ones(2))
+    assert tensor.device == torch_xla.device() and tensor[:1].device.type == "xla"

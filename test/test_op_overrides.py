@@ -117,3 +117,29 @@ def test_an_override_returning_a_torch_tensor_is_an_error(x):
                                                   "arrays"):
     with jb.override_ops({F.gelu: lambda t, approximate="none": torch.ones(6)}):
       jb.bridge(F.gelu)(x)
+
+
+NORMS = {"all": lambda x: x.norm(), "dim": lambda x: x.norm(dim=1),
+         "p=3 keepdim": lambda x: torch.linalg.vector_norm(x, 3, dim=(0,), keepdim=True),
+         "inf": lambda x: torch.linalg.vector_norm(x, float("inf")),
+         "-inf": lambda x: torch.linalg.vector_norm(x, -float("inf"), 1),
+         "count": lambda x: torch.linalg.vector_norm(x, 0, dim=1),
+         "dtype": lambda x: torch.linalg.vector_norm(x.bfloat16(), 1, dtype=torch.float32),
+         "zero": lambda x: (x * 0).norm()}
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_vector_norms_equal_eager_with_gradients(name, dev):
+  """`torch.norm(x)` on XLA tensors passes no dims (all of them) to `linalg_vector_norm`; the
+  zero vector's 2-norm has gradient zero, as torch's."""
+  norm = NORMS[name]
+  x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+  expected = norm(x)
+  bridged_x = x.detach().to(dev).requires_grad_()
+  out = jb.bridge(norm)(bridged_x)
+  assert out.dtype == expected.dtype and out.shape == expected.shape
+  torch.testing.assert_close(out.cpu(), expected)
+  expected.sum().backward()
+  out.sum().backward()
+  torch.testing.assert_close(bridged_x.grad.cpu(),
+                             torch.zeros_like(x) if x.grad is None else x.grad)  # count: none

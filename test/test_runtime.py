@@ -1,4 +1,6 @@
-"""Device selection: PJRT_DEVICE=CPU by default, the user's choice otherwise, and JAX import order."""
+"""Device selection: PJRT_DEVICE=CPU by default, the user's choice otherwise, JAX import order, and
+the process left as plain torch_xla leaves it."""
+import json
 import os
 import pathlib
 import subprocess
@@ -57,3 +59,24 @@ def test_jax_imported_first_still_works(fresh_interpreters):
   code, stdout, stderr = fresh_interpreters["jax_first"]
   assert code == 0, stderr[-4000:]
   assert stdout.strip() == "[2.0, 2.0]"
+
+
+def test_bridged_training_leaves_the_process_as_plain_torch_xla_does():
+  """torch's accelerator and device registry, `DataLoader(pin_memory=True)` (here and in another
+  thread), default dtype and device, mode stacks, autocast, environment variables, threads,
+  loggers, warning filters, the torch/NumPy/Python/XLA random streams and JAX's options: after
+  four steps trained through `bridge_modules`, `bridge` and `train_step`, as after the same steps
+  in plain torch_xla (each in a fresh process)."""
+  script = str(ROOT / "test" / "process_state_check.py")
+  running = {mode: subprocess.Popen([sys.executable, script, mode], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for mode in ("plain", "bridged")}
+  seen = {}
+  for mode, process in running.items():
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-4000:]
+    seen[mode] = json.loads(stdout)
+  plain, bridged = seen["plain"], seen["bridged"]
+  assert plain["pinned batches"]["other thread"] == [[0, 1], [2, 3]]
+  assert plain["accelerator"] != "jax"
+  assert {k: v for k, v in bridged.items() if plain[k] != v} == {}

@@ -2,6 +2,61 @@
 from typing import Any, Callable
 
 
+def import_keeping_torch_state() -> None:
+  """Imports torchax without the two process-wide changes its `__init__` makes to torch: it renames
+  torch's PrivateUse1 backend to "jax" and registers `torch.jax` as that device's module. After
+  them `torch.accelerator` answers "jax" and every `DataLoader(pin_memory=True)` raises ("Please
+  register PrivateUse1HooksInterface"), and neither can be undone (torch allows one rename per
+  process). Both are skipped while torchax imports (torchax's own use of the name is its tensors'
+  `device`, see `report_device`). If torchax was imported before, nothing changes. If torchax
+  stops calling the two functions by attribute, `test_compat` fails. Public alternative: none.
+
+  Example:
+    >>> import_keeping_torch_state()
+    >>> import torch; str(torch.accelerator.current_accelerator()) != "jax"
+    True
+  """
+  import sys
+
+  import torch
+
+  if "torchax" in sys.modules:
+    return
+  rename, register = torch.utils.rename_privateuse1_backend, torch._register_device_module
+  torch.utils.rename_privateuse1_backend = lambda name: None
+  torch._register_device_module = lambda name, module: None
+  try:
+    import torchax  # noqa: F401
+  finally:
+    torch.utils.rename_privateuse1_backend, torch._register_device_module = rename, register
+
+
+def report_device(env_type: type, device: Any) -> None:
+  """Makes torchax tensors of environments of `env_type` report `device` as their `device` (torch
+  code inside bridged code sees the XLA device its inputs are on, as in plain torch_xla) instead
+  of "jax:0", a device torch knows only after the rename `import_keeping_torch_state` skips.
+  Tensors of other environments keep torchax's answer. Replaces the `device` property of
+  torchax's tensor and view classes, once.
+
+  Example:
+    >>> import torch
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> tracing.to_torchax(tracing.runtime.jax_module().numpy.ones(1)).device.type
+    'xla'
+  """
+  import torchax.tensor
+  import torchax.view
+
+  for cls in (torchax.tensor.Tensor, torchax.view.View):
+    original = cls.__dict__["device"]
+    if getattr(original.fget, "bridge_device", False):
+      continue
+    ours = property(lambda self, original=original: device if isinstance(self._env, env_type)
+                    else original.fget(self))
+    ours.fget.bridge_device = True
+    cls.device = ours
+
+
 def set_array(tensor: Any, array: Any) -> None:
   """Replaces the JAX array inside a torchax tensor (in-place updates: batch norm statistics,
   `xs.mark_sharding`). Reading is public (`tensor.jax()`); writing is not.

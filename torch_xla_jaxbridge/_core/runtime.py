@@ -1,12 +1,15 @@
-"""Device selection and the safe import of JAX next to torch_xla.
+"""Device selection and the safe import of JAX and torchax next to torch_xla.
 
 torch_xla must create its PJRT client before JAX touches an accelerator, or the two fight over
-the device. Everything in the package imports JAX through `jax_module()`.
+the device. Everything in the package imports JAX through `jax_module()`, and with it torchax,
+keeping the process as plain torch_xla leaves it (`process_state_kept`).
 """
+import contextlib
 import importlib.util
 import os
+import random
 
-from torch_xla_jaxbridge._compat import torch_xla_private
+from torch_xla_jaxbridge._compat import torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import threads
 
 _ACCELERATOR_HINTS = ("PJRT_DEVICE", "TPU_NUM_DEVICES", "GPU_NUM_DEVICES", "NEURON_RT_VISIBLE_CORES")
@@ -34,9 +37,43 @@ def jax_module():
     (2,)
   """
   torch_xla_private.init_computation_client()
-  import jax
+  with process_state_kept():
+    import jax
 
+    torchax_private.import_keeping_torch_state()
   return jax
+
+
+@contextlib.contextmanager
+def process_state_kept():
+  """Inside the block JAX and torchax may be imported and set up; after it, what they change in
+  the process is as before: NumPy's and Python's global random streams (importing JAX draws from
+  NumPy's), environment variables (JAX's backend and torchax set some), torch's fast path for
+  multi-head attention (torchax turns it off). torch's device registry is kept by
+  `torchax_private.import_keeping_torch_state`.
+
+  Example:
+    >>> import numpy
+    >>> before = numpy.random.get_state()[1].sum()
+    >>> with process_state_kept():
+    ...   _ = numpy.random.rand(3)
+    >>> bool(numpy.random.get_state()[1].sum() == before)
+    True
+  """
+  import numpy
+  import torch
+
+  numpy_state, python_state = numpy.random.get_state(), random.getstate()
+  environ, fast_path = dict(os.environ), torch.backends.mha.get_fastpath_enabled()
+  try:
+    yield
+  finally:
+    numpy.random.set_state(numpy_state)
+    random.setstate(python_state)
+    for name in set(os.environ) - set(environ):
+      del os.environ[name]
+    os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+    torch.backends.mha.set_fastpath_enabled(fast_path)
 
 
 @threads.once

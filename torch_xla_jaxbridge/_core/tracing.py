@@ -112,19 +112,23 @@ def _plain_tensor_used(tensor):
 def environment():
   """The torchax environment bridged code runs in (created on first use).
 
-  New tensors (`torch.zeros(3)`, `torch.arange(n, device=x.device)`) are JAX values whatever
-  device they name, and math between a torchax tensor and an outside torch tensor is an error
+  Its tensors report the XLA device as their `device`, as in plain torch_xla. New tensors
+  (`torch.zeros(3)`, `torch.arange(n, device=x.device)`) are JAX values whatever device they
+  name, and math between a torchax tensor and an outside torch tensor is an error
   rather than a silent constant.
 
   Example:
     >>> env = environment()
   """
   jax = runtime.jax_module()
+  import torch_xla
   import torchax.config
 
-  with jax.ensure_compile_time_eval():  # its default key must be a constant even mid-trace
-    env = torchax_private.environment_class(_plain_tensor_used)(
-        torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
+  env_type = torchax_private.environment_class(_plain_tensor_used)
+  torchax_private.report_device(env_type, torch_xla.device())
+  # its default key must be a constant even mid-trace; making it starts JAX's backend
+  with jax.ensure_compile_time_eval(), runtime.process_state_kept():
+    env = env_type(torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op, impl in _OP_OVERRIDES.items():
     env.override_op_definition(op, impl)
   for wrapper in _DISPATCH_WRAPPERS:

@@ -1,8 +1,9 @@
 """Ops whose torchax conversion is replaced inside bridged code.
 
-The package's own, always on: `F.linear` (for the form of its weight gradient) and batch norm (for
-its running statistics), registered with `tracing` on import. The user's: `register_lowering`
-gives a torch op or function a JAX implementation for good (a custom op's lowering), and
+The package's own, always on: `F.linear` (for the form of its weight gradient), batch norm (for
+its running statistics), `F.scaled_dot_product_attention` (torch's math form) and
+`linalg_vector_norm` (torch's meaning of an empty `dim`), registered with `tracing` on import.
+The user's: `register_lowering` gives a torch op or function a JAX implementation for good (a custom op's lowering), and
 `override_ops` one while bridged code in a `with` block is traced (the block's win). Both are
 trace keys, so a trace is never reused under other lowerings.
 """
@@ -17,7 +18,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import runtime, threads, tracing
+from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 _SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
 
@@ -288,6 +289,31 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
   return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
 
 
+def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
+  """`aten::linalg_vector_norm` as torch computes it: no `dim` (`None` or empty, as `torch.norm(x)`
+  passes on XLA tensors) reduces every dimension, where torchax reduces none; a zero vector's
+  2-norm has gradient zero, where JAX's square root gives NaN.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(lambda x: x.norm())(torch.full((4,), 2.0, device="xla")).item()
+    4.0
+  """
+  jnp = runtime.jax_module().numpy
+  x = input.jax() if dtype is None else input.jax().astype(dtypes.to_jax(dtype))
+  axis = None if dim is None or dim == [] or dim == () else dim
+  size = jnp.abs(x)
+  if ord in (math.inf, -math.inf):
+    out = (size.max if ord > 0 else size.min)(axis, keepdims=keepdim)
+  elif ord == 0:
+    out = (x != 0).sum(axis, keepdims=keepdim).astype(size.dtype)
+  else:
+    total = (size ** ord).sum(axis, keepdims=keepdim)
+    safe = jnp.where(total == 0, 1, total)  # the root's gradient at zero: zero, as torch's
+    out = jnp.where(total == 0, 0, safe ** (1 / ord))
+  return tracing.to_torchax(out)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
   """`F.scaled_dot_product_attention` in its math form, as torch computes it: a query whose
@@ -332,6 +358,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
   tracing.register_op_override(_op, batch_norm)
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
 tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
                              scaled_dot_product_attention)
 tracing.register_dispatch_wrapper(_dispatch)

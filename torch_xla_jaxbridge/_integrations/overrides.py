@@ -1,10 +1,11 @@
 """Ops whose torchax conversion is replaced inside bridged code.
 
-The package's own, always on: `F.linear` (for the form of its weight gradient) and batch norm (for
-its running statistics), registered with `tracing` on import. The user's: `register_lowering`
-gives a torch op or function a JAX implementation for good (a custom op's lowering), and
-`override_ops` one while bridged code in a `with` block is traced (the block's win). Both are
-trace keys, so a trace is never reused under other lowerings.
+The package's own, always on: `F.linear` (for the form of its weight gradient), batch norm (for
+its running statistics) and `F.scaled_dot_product_attention` (torch's math form, every argument),
+registered with `tracing` on import. The user's: `register_lowering` gives a torch op or function
+a JAX implementation for good (a custom op's lowering), and `override_ops` one while bridged code
+in a `with` block is traced (the block's win). Both are trace keys, so a trace is never reused
+under other lowerings.
 """
 import contextlib
 import dataclasses
@@ -290,9 +291,14 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-  """`F.scaled_dot_product_attention` in its math form, as torch computes it: a query whose
-  every key is masked (the padding rows of a left-padded batch) gets zeros, as from torch's
-  `_safe_softmax`, where torchax's form gives NaN that then spreads through the whole row.
+  """`F.scaled_dot_product_attention` in torch's math form, every argument as torch takes it:
+  float16/bfloat16 inputs computed in float32 and the output cast back; `enable_gqa` repeats each
+  key/value head for its group of query heads; `is_causal` is the top-left aligned `tril` (query
+  `i` sees keys `0..i`); a boolean `attn_mask` says which keys a query sees, a float one is added
+  to the scores; a query whose every key is masked gets zeros, as from torch's `_safe_softmax`
+  (the padding rows of a left-padded batch; torchax's form gave NaN there); dropout on the
+  weights draws from the bridged call's random key. Inputs torch's math form refuses (`is_causal`
+  with a mask among them) raise a `RuntimeError`, as in torch.
 
   Example:
     >>> from torch_xla_jaxbridge import bridge
@@ -302,31 +308,57 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> out[0, 0, :, 0].cpu().tolist()
     [0.0, 1.0]
   """
-  length, keys = query.shape[-2], key.shape[-2]
-  scores = query @ key.transpose(-2, -1)
+  _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_gqa)
+  dtype = query.dtype
+  if dtype in (torch.float16, torch.bfloat16):
+    query, key, value = query.float(), key.float(), value.float()
   if enable_gqa:
-    repeat = query.shape[-3] // key.shape[-3]
-    key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-    scores = query @ key.transpose(-2, -1)
-  scores = scores * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
-  allowed = None
+    key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+    value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+  scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+  scores = query @ key.transpose(-2, -1) * scale
+  masked = attn_mask is not None  # a mask may hide every key from a query; the causal one never
   if is_causal:
-    allowed = torch.ones(length, keys, dtype=torch.bool, device=query.device).tril()
+    attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                           device=query.device).tril()
   if attn_mask is not None and attn_mask.dtype == torch.bool:
-    allowed = attn_mask if allowed is None else allowed & attn_mask
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
   elif attn_mask is not None:
     scores = scores + attn_mask
-  if allowed is not None:
-    scores = scores.masked_fill(~allowed, float("-inf"))
-  dead = None
-  if attn_mask is not None:  # a query with no key to attend to gets zeros; its softmax is kept
-    dead = torch.isneginf(scores).all(-1, keepdim=True)  # finite (for the backward) and its
-    scores = torch.where(dead, 0.0, scores)                # output zeroed after the matmul
-  weights = torch.softmax(scores, dim=-1)
+  weights = _safe_softmax(scores) if masked else torch.softmax(scores, -1)
   if dropout_p > 0:
     weights = torch.dropout(weights, dropout_p, train=True)
-  out = weights @ value
-  return out if dead is None else torch.where(dead, 0.0, out)
+  return (weights @ value).to(dtype)
+
+
+def _safe_softmax(scores):
+  """Softmax over the last dimension with zeros for a row that is all -inf, where a plain
+  softmax gives NaN (which would spread through the backward): the row is made finite first,
+  its weights zeroed after."""
+  dead = torch.isneginf(scores).all(-1, keepdim=True)
+  return torch.softmax(torch.where(dead, 0.0, scores), -1).masked_fill(dead, 0.0)
+
+
+def _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_gqa):
+  """torch's errors for inputs its math form refuses and this one would silently take."""
+  if is_causal and attn_mask is not None:
+    raise RuntimeError(
+        "scaled_dot_product_attention: an attn_mask with is_causal=True (torch's math form, "
+        "and so plain torch_xla, refuses the pair); pass one mask: attn_mask & "
+        "torch.ones(L, S, dtype=torch.bool).tril() for both.")
+  if not query.dtype == key.dtype == value.dtype:
+    raise RuntimeError(
+        f"scaled_dot_product_attention: query, key and value have dtypes {query.dtype}, "
+        f"{key.dtype} and {value.dtype}; torch expects one dtype: cast them to one.")
+  if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+    raise RuntimeError(
+        f"scaled_dot_product_attention: attn_mask has dtype {attn_mask.dtype}; torch expects "
+        f"bool (True: the key is seen), float32 or the query's dtype (added to the scores).")
+  if enable_gqa and any(query.shape[-3] % t.shape[-3] for t in (key, value)):
+    raise RuntimeError(
+        f"scaled_dot_product_attention: enable_gqa=True with {query.shape[-3]} query heads and "
+        f"{key.shape[-3]} key / {value.shape[-3]} value heads; the number of heads in key and "
+        f"value must divide the number of heads in query.")
 
 
 for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):

@@ -87,7 +87,8 @@ _GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
 
 # name -> (model maker, what the labels are)
 MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "roberta": (_roberta, "class"),
-          "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"), "distilbert": (_distilbert, "lm"),
+          "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"),
+          "distilbert": (_distilbert, "lm"),
           **{name: (lambda layerdrop=0.0, c=c, m=m, kw=kw: m(c(**_SMALL, **kw)), "lm")
              for name, (c, m, kw) in _MORE.items()},
           **{name: (lambda layerdrop=0.0, c=c, m=m: m(c(**_GQA)), "lm")

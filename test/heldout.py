@@ -1,6 +1,7 @@
 """Hugging Face models beyond the zoo (tiny random configs, no downloads), called as training
 scripts call them: padded batches with their attention masks, in training mode, whole-model
-`jb.train_step` against eager CPU AdamW. test_heldout_models.py runs them."""
+`jb.train_step` against eager CPU AdamW, and grouped-query decoders with their default `sdpa`
+attention. test_heldout_models.py and test_sdpa.py run them."""
 import copy
 import warnings
 
@@ -9,6 +10,7 @@ import torch_xla
 import transformers as tf
 
 import torch_xla_jaxbridge as jb
+import zoo
 
 VOCAB, BATCH, LENGTH, TARGET = 64, 2, 10, 6
 _NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -27,12 +29,6 @@ def _opt(layerdrop=0.0):
       vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
       max_position_embeddings=64, word_embed_proj_dim=32, layerdrop=layerdrop, dropout=0.0,
       attention_dropout=0.0))
-
-
-def _qwen3(layerdrop=0.0):
-  return tf.Qwen3ForCausalLM(tf.Qwen3Config(
-      vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
 
 
 def _roberta(layerdrop=0.0):
@@ -77,27 +73,46 @@ def _distilbert(layerdrop=0.0):
       dropout=0.0, attention_dropout=0.0))
 
 
+# grouped-query decoders with their default attention, `sdpa` (torch's attention with
+# `enable_gqa=True` when no attention mask is given): name -> (config, model, decoder layer class)
+DECODERS = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, "LlamaDecoderLayer"),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, "MistralDecoderLayer"),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, "Qwen2DecoderLayer"),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, "Qwen3DecoderLayer"),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, "GemmaDecoderLayer"),
+}
+_GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
 # name -> (model maker, what the labels are)
-MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "qwen3": (_qwen3, "lm"),
-          "roberta": (_roberta, "class"), "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"),
+MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "roberta": (_roberta, "class"),
+          "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"),
           "distilbert": (_distilbert, "lm"),
           **{name: (lambda layerdrop=0.0, c=c, m=m, kw=kw: m(c(**_SMALL, **kw)), "lm")
-             for name, (c, m, kw) in _MORE.items()}}
+             for name, (c, m, kw) in _MORE.items()},
+          **{name: (lambda layerdrop=0.0, c=c, m=m: m(c(**_GQA)), "lm")
+             for name, (c, m, _) in DECODERS.items()}}
 
 
 def batch(name, padding="right"):
   """A padded batch as a data collator gives it: ids, attention mask (the first row padded by 3
-  on `padding`'s side), labels."""
+  on `padding`'s side), labels; `padding=None`: no padding and no attention mask (a packed
+  pretraining batch)."""
   gen = torch.Generator().manual_seed(7)
   ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=gen)
   mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
-  pad = slice(0, 3) if padding == "left" else slice(LENGTH - 3, LENGTH)
-  mask[0, pad] = 0
-  ids[0, pad] = 1
+  if padding is not None:
+    pad = slice(0, 3) if padding == "left" else slice(LENGTH - 3, LENGTH)
+    mask[0, pad] = 0
+    ids[0, pad] = 1
   kind = MODELS[name][1]
   labels = (torch.randint(3, VOCAB, (BATCH, TARGET), generator=gen) if kind == "seq2seq" else
             torch.tensor([0, 2]) if kind == "class" else ids.masked_fill(mask == 0, -100))
-  return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+  inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+  if padding is None:
+    del inputs["attention_mask"]
+  return inputs
 
 
 def build(name, layerdrop=0.0):
@@ -135,3 +150,36 @@ def train_steps(name, steps=2, padding="right", layerdrop=0.0, classes=None):
       norms.append(opt.grad_norm)
       torch_xla.sync()
   return eager, [l.item() for l in losses], eager_norms, [n.item() for n in norms]
+
+
+LR = 2.0 ** 10
+
+
+def gradients(name, padding="right", classes=(), one_node=False):
+  """`(eager loss, loss, worst relative gradient error, regions)` of one forward and backward on
+  `batch(name, padding)`: eager CPU torch against the XLA copy after `jb.bridge_modules(moved,
+  classes)`, whose gradients come from `loss.backward()` or, `one_node`, from one `jb.train_step`
+  with `jb.optim.SGD(lr=LR)`: the parameters' change over LR (large, and a power of two, so the
+  change stands far above the parameters' rounding and divides exactly). `regions`: the names of
+  the bridged regions made (in `jb.bridge_report()`)."""
+  model, moved = build(name)
+  regions = jb.bridge_modules(moved, list(classes)) if classes else []
+  inputs = batch(name, padding)
+  expected = model(**inputs).loss
+  expected.backward()
+  on_device = {k: v.to("xla") for k, v in inputs.items()}
+  if one_node:
+    def loss_of(b):
+      return moved(**b).loss
+
+    before = {n: p.detach().clone() for n, p in moved.named_parameters()}
+    loss = jb.train_step(loss_of, jb.optim.SGD(moved.parameters(), lr=LR))(on_device)
+    grads = {n: (before[n] - p.detach()) / LR for n, p in moved.named_parameters()}
+    regions.append("train_step(loss_of)")
+  else:
+    loss = moved(**on_device).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in moved.named_parameters()}
+  torch_xla.sync()  # one program for the loss and every gradient, not one per read
+  worst = zoo.worst_gradient_error(grads, {n: p.grad for n, p in model.named_parameters()})
+  return expected.item(), loss.item(), worst, regions

@@ -84,18 +84,25 @@ def train_step(name, mode):
   out = call(**{k: v.to("xla") for k, v in inputs.items()})
   out.loss.backward()
   torch_xla.sync()  # one program for the loss and every gradient (not one per `.cpu()`)
-  pairs = list(zip(moved.named_parameters(), model.parameters()))
-  # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise:
-  # measured against a floor of 1e-3 of the largest gradient
-  floor = 1e-3 * max(q.grad.norm().item() for _, q in pairs if q.grad is not None)
-  worst = 0.0
-  for (pname, p), q in pairs:
-    if q.grad is None:
-      assert p.grad is None, pname
-      continue
-    error = ((p.grad.cpu() - q.grad).norm() / max(q.grad.norm().item(), floor)).item()
-    worst = max(worst, error)
+  worst = worst_gradient_error({n: p.grad for n, p in moved.named_parameters()},
+                               {n: p.grad for n, p in model.named_parameters()})
   return reference.loss.item(), out.loss.item(), worst, jb.cache_info().misses
+
+
+def worst_gradient_error(grads, expected):
+  """The largest relative error of `grads` (parameter name -> XLA gradient or None) against eager
+  CPU's `expected` (the same names). A gradient that is zero in exact arithmetic (a key bias under
+  softmax) is rounding noise: measured against a floor of 1e-3 of the largest gradient."""
+  assert grads.keys() == expected.keys()
+  floor = 1e-3 * max(g.norm().item() for g in expected.values() if g is not None)
+  worst = 0.0
+  for name, want in expected.items():
+    if want is None:
+      assert grads[name] is None, name
+      continue
+    error = ((grads[name].cpu() - want).norm() / max(want.norm().item(), floor)).item()
+    worst = max(worst, error)
+  return worst
 
 
 def generate(name, cache):

@@ -36,8 +36,8 @@ def register_op_override(op, impl: Callable) -> None:
   """Makes bridged code run `impl` (on torchax tensors) for the torch op or function `op`.
 
   Example (what `overrides` does at import; registering it again changes nothing):
-    >>> from torch_xla_jaxbridge._integrations import overrides
-    >>> register_op_override(torch.nn.functional.linear, overrides.linear)
+    >>> from torch_xla_jaxbridge._integrations import torch_ops
+    >>> register_op_override(torch.nn.functional.linear, torch_ops.linear)
   """
   _OP_OVERRIDES[op] = impl
   if environment.done():

@@ -5,4 +5,5 @@ their side effects.
 """
 from torch_xla_jaxbridge._integrations import (autocast, autograd_function, control_flow,  # noqa: F401
                                                custom_ops, hf_models, overrides, spmd,
-                                               torch_checkpoint, torch_xla_kernels, trace_signals)
+                                               torch_checkpoint, torch_ops, torch_xla_kernels,
+                                               trace_signals)

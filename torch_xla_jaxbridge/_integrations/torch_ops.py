@@ -1,0 +1,207 @@
+"""The package's own conversions of torch ops inside bridged code, where torchax's differ from torch.
+
+Always on, registered with `tracing` on import: `F.linear` (for the form of its weight
+gradient), batch norm (for its running statistics), `linalg_vector_norm` (torch's meaning of an
+empty `dim`) and `F.scaled_dot_product_attention` (torch's math form, every argument).
+"""
+import math
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge._compat import torchax_private
+from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
+
+
+def linear(input, weight, bias=None):
+  """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
+  together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
+  dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it
+  (docs/performance.md has the measurement). The forward is torchax's einsum.
+
+  Example:
+    >>> import torch.nn.functional as F
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(F.linear)(torch.ones(2, 3, device="xla"), torch.ones(4, 3, device="xla")).shape
+    torch.Size([2, 4])
+  """
+  tensor = tracing.torchax_tensor_type()
+  if not all(isinstance(t, tensor) for t in (input, weight, bias) if t is not None):
+    out = torch.matmul(input, weight.t())  # torchax says what is wrong with the others
+    return out if bias is None else out + bias
+  out = _folded_linear()(input.jax(), weight.jax())
+  if bias is not None:
+    out = out + bias.jax()
+  return tensor(out, tracing.environment())
+
+
+@threads.once
+def _folded_linear():
+  jax = runtime.jax_module()
+  einsum = lambda x, w: jax.numpy.einsum("...a,ba->...b", x, w)  # noqa: E731
+
+  @jax.custom_jvp
+  def linear(x, w):
+    return einsum(x, w)
+
+  @linear.defjvp
+  def linear_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    by_weight = jax.numpy.dot(_fold(x), dw.T).reshape(*x.shape[:-1], w.shape[0])
+    return einsum(x, w), einsum(dx, w) + by_weight
+
+  return linear
+
+
+def _fold(x):
+  """`x` with its leading dimensions folded: the same array for the same `x` within one
+  `run_torch` call, so linears sharing an input (q, k, v) keep one copy of it for the backward.
+  Held weakly: a traced value lives as long as the jaxpr trace that made it (which reports any
+  other holder as a leak); where nothing keeps the fold alive, the next linear folds again."""
+  folds = tracing.scoped_cache("linear_folds")
+  cached = folds.get(id(x))
+  if cached is not None and cached[0]() is x:
+    folded = cached[1]()
+    if folded is not None:
+      return folded
+  folded = x.reshape(-1, x.shape[-1])
+  try:
+    folds[id(x)] = (weakref.ref(x), weakref.ref(folded))
+  except TypeError:  # a concrete array: nothing to share
+    pass
+  return folded
+
+
+def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+  """Batch norm that updates the running statistics in place, as torch does (torchax's drops
+  the update), with the unbiased batch variance for `running_var`.
+
+  Example:
+    >>> from torch_xla_jaxbridge import BridgeModule
+    >>> bn = BridgeModule(torch.nn.BatchNorm1d(2).to("xla"))
+    >>> _ = bn(torch.tensor([[0.0, 1.0], [2.0, 3.0]], device="xla"))
+    >>> bn.running_mean.cpu().tolist()
+    [0.10000000149011612, 0.20000000298023224]
+  """
+  jax = runtime.jax_module()
+  import torchax.tensor
+
+  array = lambda t: None if t is None else t.jax()  # noqa: E731
+  x = array(input)
+  out, mean, rstd = torchax_private.batch_norm_forward(
+      x, array(weight), array(bias), array(running_mean), array(running_var), training, momentum,
+      eps)
+  if training and running_mean is not None:
+    axes = [0] + list(range(2, x.ndim))
+    count = x.size // x.shape[1]
+    unbiased = jax.numpy.var(x, axis=axes) * count / max(count - 1, 1)
+    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
+      torchax_private.set_array(stat, ((1 - momentum) * stat.jax() + momentum * batch).astype(
+          stat.jax().dtype))
+  env = tracing.environment()
+  return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
+
+
+def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
+  """`aten::linalg_vector_norm` as torch computes it: no `dim` (`None` or empty, as `torch.norm(x)`
+  passes on XLA tensors) reduces every dimension, where torchax reduces none; a zero vector's
+  2-norm has gradient zero, where JAX's square root gives NaN.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(lambda x: x.norm())(torch.full((4,), 2.0, device="xla")).item()
+    4.0
+  """
+  jnp = runtime.jax_module().numpy
+  x = input.jax() if dtype is None else input.jax().astype(dtypes.to_jax(dtype))
+  axis = None if dim is None or dim == [] or dim == () else dim
+  size = jnp.abs(x)
+  if ord in (math.inf, -math.inf):
+    out = (size.max if ord > 0 else size.min)(axis, keepdims=keepdim)
+  elif ord == 0:
+    out = (x != 0).sum(axis, keepdims=keepdim).astype(size.dtype)
+  else:
+    total = (size ** ord).sum(axis, keepdims=keepdim)
+    safe = jnp.where(total == 0, 1, total)  # the root's gradient at zero: zero, as torch's
+    out = jnp.where(total == 0, 0, safe ** (1 / ord))
+  return tracing.to_torchax(out)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+  """`F.scaled_dot_product_attention` in torch's math form, every argument as torch takes it:
+  float16/bfloat16 inputs computed in float32 and the output cast back; `enable_gqa` repeats each
+  key/value head for its group of query heads; `is_causal` is the top-left aligned `tril` (query
+  `i` sees keys `0..i`); a boolean `attn_mask` says which keys a query sees, a float one is added
+  to the scores; a query whose every key is masked gets zeros, as from torch's `_safe_softmax`
+  (the padding rows of a left-padded batch; torchax's form gave NaN there); dropout on the
+  weights draws from the bridged call's random key. Inputs torch's math form refuses (`is_causal`
+  with a mask among them) raise a `RuntimeError`, as in torch.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> q = torch.ones(1, 1, 2, 4, device="xla")
+    >>> mask = torch.tensor([[False, False], [True, True]], device="xla")
+    >>> out = bridge(torch.nn.functional.scaled_dot_product_attention)(q, q, q, attn_mask=mask)
+    >>> out[0, 0, :, 0].cpu().tolist()
+    [0.0, 1.0]
+  """
+  _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_gqa)
+  dtype = query.dtype
+  if dtype in (torch.float16, torch.bfloat16):
+    query, key, value = query.float(), key.float(), value.float()
+  if enable_gqa:
+    key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+    value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+  scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+  scores = query @ key.transpose(-2, -1) * scale
+  masked = attn_mask is not None  # a mask may hide every key from a query; the causal one never
+  if is_causal:
+    attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                           device=query.device).tril()
+  if attn_mask is not None and attn_mask.dtype == torch.bool:
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+  elif attn_mask is not None:
+    scores = scores + attn_mask
+  weights = _safe_softmax(scores) if masked else torch.softmax(scores, -1)
+  if dropout_p > 0:
+    weights = torch.dropout(weights, dropout_p, train=True)
+  return (weights @ value).to(dtype)
+
+
+def _safe_softmax(scores):
+  """Softmax over the last dimension with zeros for a row that is all -inf, where a plain
+  softmax gives NaN (which would spread through the backward): the row is made finite first,
+  its weights zeroed after."""
+  dead = torch.isneginf(scores).all(-1, keepdim=True)
+  return torch.softmax(torch.where(dead, 0.0, scores), -1).masked_fill(dead, 0.0)
+
+
+def _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_gqa):
+  """torch's errors for inputs its math form refuses and this one would silently take."""
+  if is_causal and attn_mask is not None:
+    raise RuntimeError(
+        "scaled_dot_product_attention: an attn_mask with is_causal=True (torch's math form, "
+        "and so plain torch_xla, refuses the pair); pass one mask: attn_mask & "
+        "torch.ones(L, S, dtype=torch.bool).tril() for both.")
+  if not query.dtype == key.dtype == value.dtype:
+    raise RuntimeError(
+        f"scaled_dot_product_attention: query, key and value have dtypes {query.dtype}, "
+        f"{key.dtype} and {value.dtype}; torch expects one dtype: cast them to one.")
+  if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+    raise RuntimeError(
+        f"scaled_dot_product_attention: attn_mask has dtype {attn_mask.dtype}; torch expects "
+        f"bool (True: the key is seen), float32 or the query's dtype (added to the scores).")
+  if enable_gqa and any(query.shape[-3] % t.shape[-3] for t in (key, value)):
+    raise RuntimeError(
+        f"scaled_dot_product_attention: enable_gqa=True with {query.shape[-3]} query heads and "
+        f"{key.shape[-3]} key / {value.shape[-3]} value heads; the number of heads in key and "
+        f"value must divide the number of heads in query.")
+
+
+for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
+  tracing.register_op_override(_op, batch_norm)
+tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
+tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
+                             scaled_dot_product_attention)

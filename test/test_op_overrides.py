@@ -143,3 +143,15 @@ def test_vector_norms_equal_eager_with_gradients(name, dev):
   out.sum().backward()
   torch.testing.assert_close(bridged_x.grad.cpu(),
                              torch.zeros_like(x) if x.grad is None else x.grad)  # count: none
+
+
+def test_norm_inside_a_while_loop_body_equals_eager(dev):
+  """There `torch.norm` reaches the bridge as `frobenius_norm` itself, not decomposed."""
+  from torch._higher_order_ops.while_loop import while_loop
+
+  def halve_until_small(x):
+    return while_loop(lambda v: v.norm() > 1.0, lambda v: (v / 2,), (x,))[0]
+
+  x = torch.full((4,), 8.0)
+  out = jb.bridge(halve_until_small, fallback=False)(x.to(dev))
+  torch.testing.assert_close(out.cpu(), halve_until_small(x))

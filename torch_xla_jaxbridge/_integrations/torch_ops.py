@@ -1,8 +1,9 @@
 """The package's own conversions of torch ops inside bridged code, where torchax's differ from torch.
 
 Always on, registered with `tracing` on import: `F.linear` (for the form of its weight
-gradient), batch norm (for its running statistics), `linalg_vector_norm` (torch's meaning of an
-empty `dim`) and `F.scaled_dot_product_attention` (torch's math form, every argument).
+gradient), batch norm (for its running statistics), `linalg_vector_norm` and `frobenius_norm`
+(torch's meaning of an empty `dim`; torchax lacks the second) and
+`F.scaled_dot_product_attention` (torch's math form, every argument).
 """
 import math
 import weakref
@@ -127,6 +128,19 @@ def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
   return tracing.to_torchax(out)
 
 
+def frobenius_norm(input, dim, keepdim=False):
+  """`aten::frobenius_norm.dim` (what `torch.norm(x)` calls on XLA tensors), which torchax lacks:
+  `vector_norm` of order 2, as torch decomposes it where it is not called as one op (inside a
+  `torch.while_loop` body it reaches torchax as itself).
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(torch.ops.aten.frobenius_norm.dim)(torch.full((4,), 2.0, device="xla"), [0]).item()
+    4.0
+  """
+  return vector_norm(input, 2, dim, keepdim)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
   """`F.scaled_dot_product_attention` in torch's math form, every argument as torch takes it:
@@ -203,5 +217,6 @@ for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.nati
   tracing.register_op_override(_op, batch_norm)
 tracing.register_op_override(torch.nn.functional.linear, linear)
 tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
+tracing.register_op_override(torch.ops.aten.frobenius_norm.dim, frobenius_norm)
 tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
                              scaled_dot_product_attention)

@@ -53,10 +53,13 @@ def spread(values: Iterable[float]) -> list:
 def table(rows: list, columns: list) -> str:
   """`rows` (dicts) as a text table of `columns` ((title, key) pairs); a `[median, min, max]`
   cell prints as `median [min-max]`."""
+  def number(value):
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
   def cell(value):
     if isinstance(value, list) and len(value) == 3:
-      return f"{value[0]:.3g} [{value[1]:.3g}-{value[2]:.3g}]"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+      return f"{number(value[0])} [{number(value[1])}-{number(value[2])}]"
+    return number(value) if isinstance(value, float) else str(value)
 
   cells = [[title for title, _ in columns]] + [[cell(r.get(k, "")) for _, k in columns]
                                                for r in rows]

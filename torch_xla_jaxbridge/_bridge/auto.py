@@ -7,7 +7,6 @@ bridged in turn while it runs: the fallback is as narrow as the code that needs 
 torch.compile breaks a graph and goes on.
 """
 import dataclasses
-import functools
 import weakref
 from typing import Any, Iterable, Union
 
@@ -19,17 +18,42 @@ from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
 from torch_xla_jaxbridge._core import modules
 
-_SHARED = weakref.WeakValueDictionary()  # (structure key, remat) -> Bridged of identical modules
-_BRIDGES = weakref.WeakKeyDictionary()  # module -> its ModuleBridge
+# (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
+# it, so it (with its traces) lives as long as one of them does
+_SHARED = weakref.WeakValueDictionary()
+_BRIDGES = weakref.WeakKeyDictionary()  # module -> its ModuleBridge (which holds it weakly)
+
+
+class SharedForward(modules.Calling):
+  """The forward of whichever module of one structure is being called (named by `run_for`):
+  what the `Bridged` shared by structurally identical modules runs, holding none of them.
+
+  Example:
+    >>> layer, forward = torch.nn.Linear(2, 2), SharedForward(hooks=True)
+    >>> params, buffers, training = modules.module_state(layer)
+    >>> forward.run_for(layer, forward, params, buffers, training, (torch.ones(2),), {}).shape
+    torch.Size([2])
+  """
+  __slots__ = ("hooks",)
+
+  def __init__(self, hooks: bool):
+    super().__init__()
+    self.hooks = hooks
+
+  def __call__(self, params: dict, buffers: dict, training: tuple, args: tuple,
+               kwargs: dict) -> Any:
+    return modules.module_forward(self.module(), params, buffers, training, args, kwargs,
+                                  hooks=self.hooks)
 
 
 def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
                    hooks: bool = True) -> Bridged:
   """The bridged forward of `module`, shared with every structurally identical module (same
-  classes, shapes and attribute values) bridged under the same remat policy. With `hooks` the
-  module's hooks run inside the bridged code (`BridgeModule`, whose own hooks run outside);
-  without, its class forward runs directly (a module whose `forward` is the bridge's: its hooks
-  run around the bridged call).
+  classes, shapes and attribute values) bridged under the same remat policy, and kept while a
+  caller holds it; its function is a `SharedForward`, so call it as `bridged.fn.run_for(module,
+  bridged, ...)`. With `hooks` the module's hooks run inside the bridged code (`BridgeModule`,
+  whose own hooks run outside); without, its class forward runs directly (a module whose
+  `forward` is the bridge's: its hooks run around the bridged call).
 
   Example:
     >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
@@ -39,8 +63,7 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
   key = modules.structure_key(module)
   found = _SHARED.get((key, remat, hooks)) if key is not None else None
   if found is None:
-    found = Bridged(functools.partial(modules.module_forward, module, hooks=hooks), remat=remat,
-                    name=type(module).__name__)
+    found = Bridged(SharedForward(hooks), remat=remat, name=type(module).__name__)
     if key is not None:
       _SHARED[(key, remat, hooks)] = found
   return found
@@ -72,18 +95,21 @@ class ModuleBridge:
     self.module = weakref.ref(module)
     self.settings = settings
     self.state = modules.StateWalk(module)
-    self.bridged = shared_bridged(module, settings.remat, settings.hooks)
-    self.outcome = fallback.Outcome(settings.name, "module", lambda: self.bridged.traces)
+    self.bridged = bridged = shared_bridged(module, settings.remat, settings.hooks)
+    # no reference back to self: a bridge whose module is gone is freed at once, not by a later
+    # garbage collection (it is held by `_BRIDGES` only, so no cycle may hold it)
+    self.outcome = fallback.Outcome(settings.name, "module", lambda: bridged.traces)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     module = self.module()
     if not self.outcome.fell_back:
       params, buffers, training = self.state.state()
-      if _any_traced((args, kwargs)):  # inside bridged code: errors belong to the caller
-        return self.bridged(params, buffers, training, args, kwargs)
       try:
-        return self.bridged(params, buffers, training, args, kwargs)
+        return self.bridged.fn.run_for(module, self.bridged, params, buffers, training, args,
+                                       kwargs)
       except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
+        if _any_traced((args, kwargs)):  # inside bridged code: errors belong to the caller
+          raise
         self.outcome.fall_back(e, self.settings.fallback)
     with submodules_bridged(module, self.settings):
       return type(module).forward(module, *args, **kwargs)

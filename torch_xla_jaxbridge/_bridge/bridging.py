@@ -123,6 +123,11 @@ class Bridged:
     """The forward half of `jax.vjp` of `run`: outputs, and the residuals the backward needs."""
     return vjp.forward_half(lambda *d: self.run(spec, d, other, key_data), self.policy, diff)
 
+  def backward_half(self, saved, inputs, cotangents):
+    """`vjp.backward_half`, a method so that its programs are cached with this function (and
+    go when it goes), as the forward's are."""
+    return vjp.backward_half(saved, inputs, cotangents)
+
 
 def _any_traced(tree):
   traced = tracing.torchax_tensor_type()  # None until the first trace imports torchax

@@ -7,7 +7,6 @@ is converted once and becomes the scan body, so trace and compile time do not gr
 import contextlib
 import copy
 import inspect
-import functools
 import weakref
 from typing import Any, Iterable
 
@@ -20,10 +19,11 @@ from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import call, modules, runtime, sharding, tracing
 
-# The scan's bridged function, shared by layer stacks of one structure, and kept as long as the
-# program runs (a stack whose structure has no key is tied to its first layer instead).
-_BY_STRUCTURE = {}
-_BY_LAYER = weakref.WeakKeyDictionary()
+# The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
+# no layer), and kept as long as the first layer of one of them lives: each first layer holds its
+# stack's in `_BY_LAYER` (a stack whose structure has no key has its own).
+_BY_STRUCTURE = weakref.WeakValueDictionary()
+_BY_LAYER = weakref.WeakKeyDictionary()  # first layer -> {(structure, remat): Bridged}
 
 
 def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn: Any = None,
@@ -62,9 +62,10 @@ def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn
   remat = remat_policies.from_partition_fn(partition_fn, remat, "scan_layers")
   stack = _LayerStack.of(layers)
   params, buffers, training = stack.state()
-  bridged = _bridged_scan(stack.template(), stack.structure, remat)
-  return bridged(len(layers), params, buffers, training, input_data, tuple(shared_args),
-                 shared_kwargs or {})
+  template = stack.template()
+  bridged = _bridged_scan(template, stack.structure, remat)
+  return bridged.fn.run_for(template, bridged, len(layers), params, buffers, training,
+                            input_data, tuple(shared_args), shared_kwargs or {})
 
 
 class _LayerStack:
@@ -117,7 +118,7 @@ class _LayerStack:
     if _mixed_dtypes(params, count) or _mixed_dtypes(buffers, count):
       self._check()  # torch.stack would promote them silently
     try:
-      stacked = _StackLayers.apply(count, sharding.shardings_of(params), *params)
+      stacked = _StackLayers.apply(self, count, sharding.shardings_of(params), *params)
       stacked_buffers = [torch.stack(group) for group in _groups(buffers, count)]
     except RuntimeError:  # shapes differ: name the first difference
       self._check()
@@ -127,19 +128,26 @@ class _LayerStack:
   def _check(self):
     layer_check.identical([ref() for ref in self.refs])
 
+  def unstack(self, stacked):
+    """The stacking's backward (`_unstack`), traced for this stack: its programs die with it."""
+    return _unstack(stacked)
+
 
 def _bridged_scan(template, structure, remat):
-  """The scan's bridged function, shared by stacks of one structure and remat policy."""
-  table, key = (_BY_STRUCTURE, (structure, remat)) if structure is not None else (
-      _BY_LAYER.setdefault(template, {}), remat)
-  bridged = table.get(key)
+  """The scan's bridged function, shared by stacks of one structure and remat policy (call it as
+  `bridged.fn.run_for(template, bridged, ...)`), held by `template` (a stack's first layer)."""
+  own = _BY_LAYER.setdefault(template, {})
+  bridged = own.get((structure, remat))
   if bridged is None:
-    # no policy: what jax.vjp keeps, less what XLA would fuse away in the unrolled layers (a
-    # scan stores each kept value for every layer: 1.33x LazyTensor's step bytes without this)
-    policy = remat_policies.policy_for(remat) or remat_policies.save_unfused
-    bridged = table[key] = Bridged(
-        functools.partial(_scan, template, policy),
-        name=f"scan_{type(template).__name__}")
+    bridged = _BY_STRUCTURE.get((structure, remat)) if structure is not None else None
+    if bridged is None:
+      # no policy: what jax.vjp keeps, less what XLA would fuse away in the unrolled layers (a
+      # scan stores each kept value for every layer: 1.33x LazyTensor's step bytes without this)
+      policy = remat_policies.policy_for(remat) or remat_policies.save_unfused
+      bridged = Bridged(_ScanLayers(policy), name=f"scan_{type(template).__name__}")
+      if structure is not None:
+        _BY_STRUCTURE[(structure, remat)] = bridged
+    own[(structure, remat)] = bridged
   return bridged
 
 
@@ -193,7 +201,8 @@ class StackedLayers(torch.nn.Module):
     params, buffers, training = self._walk.state()
     bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
                             self.remat)
-    return bridged(self.count, params, buffers, training, carry, shared_args, shared_kwargs)
+    return bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
+                              shared_args, shared_kwargs)
 
   def __len__(self):
     return self.count
@@ -256,8 +265,8 @@ class _StackLayers(torch.autograd.Function):
   alone can leave it replicated)."""
 
   @staticmethod
-  def forward(ctx, count, shardings, *tensors):
-    ctx.shardings = shardings
+  def forward(ctx, stack, count, shardings, *tensors):
+    ctx.stack, ctx.shardings = stack, shardings
     groups = _groups(tensors, count)
     stacked = tuple(torch.stack(group) for group in groups)
     ctx.mark_non_differentiable(*[out for out, group in zip(stacked, groups)
@@ -266,13 +275,26 @@ class _StackLayers(torch.autograd.Function):
 
   @staticmethod
   def backward(ctx, *grads):
-    per_layer = call.call_jax(_unstack, (list(grads),), name="unstack_layers")
+    per_layer = call.call_jax(ctx.stack.unstack, (list(grads),), name="unstack_layers")
     sharding.shard_like(per_layer, ctx.shardings)
-    return (None, None, *per_layer)
+    return (None, None, None, *per_layer)
 
 
 def _unstack(stacked):
   return [layer for group in stacked for layer in group]
+
+
+class _ScanLayers(modules.Calling):
+  """The bridged torch function of the stacks of one structure: `_scan` of the stack being
+  called (its first layer named by `run_for`)."""
+  __slots__ = ("policy",)
+
+  def __init__(self, policy):
+    super().__init__()
+    self.policy = policy
+
+  def __call__(self, *args):
+    return _scan(self.module(), self.policy, *args)
 
 
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):

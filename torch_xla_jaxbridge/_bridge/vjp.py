@@ -132,7 +132,7 @@ class VjpFunction(torch.autograd.Function):
     kept, computed = saved
     ctx.kept, ctx.inputs = kept, len(kept.inputs)
     ctx.save_for_backward(*[diff[i] for i in kept.inputs], *computed)
-    ctx.name = bridged.name
+    ctx.bridged = bridged  # its backward programs are cached with it, and die with it
     ctx.shardings = sharding.shardings_of(diff)
     holder.append((layout, others, mutated))
     return tuple(floats)
@@ -142,15 +142,15 @@ class VjpFunction(torch.autograd.Function):
     try:
       tensors = list(ctx.saved_tensors)
       saved = (ctx.kept, tensors[ctx.inputs:])
-      grads = call.call_jax(backward_half, (saved, tensors[:ctx.inputs], cotangents),
-                            name=f"{ctx.name}_bwd")
+      grads = call.call_jax(ctx.bridged.backward_half, (saved, tensors[:ctx.inputs], cotangents),
+                            name=f"{ctx.bridged.name}_bwd")
     except errors.JaxTracingError as e:
       if not jax_private.is_while_loop_gradient_error(e):
         raise
       raise errors.ControlFlowError(
-          f"{ctx.name}: a gradient was asked through torch.while_loop, whose trip count depends "
-          f"on the data; JAX's while loop is forward-only. Use jb.fori_loop(lower, upper, body, "
-          f"init) when the count is known, run the loop under torch.no_grad(), or detach its "
-          f"inputs.") from e
+          f"{ctx.bridged.name}: a gradient was asked through torch.while_loop, whose trip count "
+          f"depends on the data; JAX's while loop is forward-only. Use jb.fori_loop(lower, upper, "
+          f"body, init) when the count is known, run the loop under torch.no_grad(), or detach "
+          f"its inputs.") from e
     sharding.shard_like(grads, ctx.shardings)  # a gradient is sharded as its input, not left to chance
     return (None, None, None, None, None, *grads)

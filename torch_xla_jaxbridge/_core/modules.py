@@ -2,9 +2,11 @@
 
 Bridged modules, layer stacks and `jaxify` all read a module through these: `StateWalk` (the
 current parameters and buffers by name, without walking the tree each call), `structure_key`
-(when two modules may share a trace) and `attribute_differences` (when two layers may share a scan).
+(when two modules may share a trace), `attribute_differences` (when two layers may share a scan)
+and `Calling` (which module a function shared by a structure runs, holding none of them).
 """
 import functools
+import threading
 import weakref
 
 import torch
@@ -53,19 +55,58 @@ def module_forward(module, params, buffers, training, args, kwargs, hooks=True):
       sub.training = mode
 
 
+class Calling:
+  """Which module a function shared by structurally identical modules runs: the caller names it
+  for each call (`shared.run_for(module, fn, ...)`, per thread), so the shared function, and the
+  traces cached for it, hold none of the modules; each call runs its own module.
+
+  Example:
+    >>> shared, layer = Calling(), torch.nn.Linear(2, 2)
+    >>> shared.run_for(layer, lambda: shared.module() is layer)
+    True
+  """
+  __slots__ = ("_local",)
+
+  def __init__(self):
+    self._local = threading.local()
+
+  def run_for(self, module, fn, *args):
+    """`fn(*args)`, with `module()` giving `module` meanwhile (in this thread)."""
+    local = self._local
+    before = getattr(local, "module", None)
+    local.module = module
+    try:
+      return fn(*args)
+    finally:
+      local.module = before
+
+  def module(self):
+    """The module of the innermost `run_for` of this thread."""
+    found = getattr(self._local, "module", None)
+    if found is None:
+      raise RuntimeError("a forward shared by a module structure ran outside `run_for(module)`")
+    return found
+
+
 class _Same:
-  """An attribute that is not a configuration value, in a structure key: equal only to itself
-  (held, so its id cannot be reused while the key lives)."""
-  __slots__ = ("value",)
+  """An attribute that is not a configuration value, in a structure key: equal only to itself.
+  Held weakly where it can be (a key shared while a structure's modules live must not keep them
+  alive through an attribute that refers back to them); a dead one equals nothing."""
+  __slots__ = ("ref", "hash")
 
   def __init__(self, value):
-    self.value = value
+    try:
+      self.ref = weakref.ref(value)
+    except TypeError:  # no weak reference to it (a builtin function): held
+      self.ref = lambda: value
+    self.hash = id(value)
 
   def __eq__(self, other):
-    return isinstance(other, _Same) and other.value is self.value
+    mine = self.ref()
+    return isinstance(other, _Same) and mine is not None and other.ref() is mine
 
   def __hash__(self):
-    return id(self.value)
+    return self.hash
 
 
 def structure_key(module, same_objects=True):
@@ -118,8 +159,12 @@ class StateWalk:
     self.walks += 1
     # a submodule used at two paths is one place: its tensors go in once, under its first path
     named = list(self.module().named_modules())
-    self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub), tuple(torch_private.parameters_table(sub)),
-                     tuple(torch_private.buffers_table(sub)), tuple(torch_private.children_table(sub).items())) for prefix, sub in named]
+    # everything weak (submodules, and children by id: a dead one's own entry says it changed),
+    # so a walk kept as a weak dictionary's value never keeps its key alive
+    self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub),
+                     tuple(torch_private.parameters_table(sub)),
+                     tuple(torch_private.buffers_table(sub)), *_children(sub))
+                    for prefix, sub in named]
 
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
@@ -136,11 +181,15 @@ class StateWalk:
     the same pass: a step's host time grows with the submodules)."""
     params, buffers, training = {}, {}, []
     parameters_table, buffers_table = torch_private.parameters_table, torch_private.buffers_table
-    for prefix, ref, param_keys, buffer_keys, submodules in self.entries:
+    children_table = torch_private.children_table
+    for prefix, ref, param_keys, buffer_keys, child_keys, child_ids in self.entries:
       sub = ref()
-      table, held = parameters_table(sub), buffers_table(sub)
+      if sub is None:  # a submodule replaced and freed
+        return None
+      table, held, children = parameters_table(sub), buffers_table(sub), children_table(sub)
       if (tuple(table) != param_keys or tuple(held) != buffer_keys or
-          tuple(torch_private.children_table(sub).items()) != submodules):
+          (children or child_keys) and (tuple(children) != child_keys or
+                                        tuple(map(id, children.values())) != child_ids)):
         return None
       training.append(sub.training)
       for key, value in table.items():
@@ -150,6 +199,12 @@ class StateWalk:
         if value is not None:
           buffers[prefix + key] = value
     return params, buffers, tuple(training)
+
+
+def _children(module):
+  """A module's children as a walk compares them: their names, and their ids (holding none)."""
+  table = torch_private.children_table(module)
+  return tuple(table), tuple(map(id, table.values()))
 
 
 def module_state(module):

@@ -78,9 +78,14 @@ class RuleOptimizer(TorchLayout):
     if params:
       states, scalars, statics = self.prepare(params)
       results = call.call_jax(
-          apply_rule, (params, list(grads), states, scalars.to(params[0].device)), statics,
+          self._apply_rule, (params, list(grads), states, scalars.to(params[0].device)), statics,
           name=f"{self.rule.name}_step")
       self.take(params, results)
+
+  def _apply_rule(self, *args: Any, **statics: Any) -> tuple:
+    """`apply_rule`, a method so that its programs are cached with this optimizer (and go when
+    it goes)."""
+    return apply_rule(*args, **statics)
 
   def step_running(self, update: Callable[[], Any]) -> Any:
     """One `step()` whose update is `update()` (its result returned): the step's hooks run and

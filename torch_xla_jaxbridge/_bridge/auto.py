@@ -40,7 +40,7 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
   found = _SHARED.get((key, remat, hooks)) if key is not None else None
   if found is None:
     found = Bridged(functools.partial(modules.module_forward, module, hooks=hooks), remat=remat,
-                    name=type(module).__name__)
+                    name=type(module).__name__, lift=False)
     if key is not None:
       _SHARED[(key, remat, hooks)] = found
   return found

@@ -139,7 +139,7 @@ def _bridged_scan(template, structure, remat):
     policy = remat_policies.policy_for(remat) or remat_policies.save_unfused
     bridged = table[key] = Bridged(
         functools.partial(_scan, template, policy),
-        name=f"scan_{type(template).__name__}")
+        name=f"scan_{type(template).__name__}", lift=False)
   return bridged
 
 

@@ -1,6 +1,10 @@
-"""Captured tensors lifted: closures, globals and `self` attributes are inputs of the trace, read
+"""Captured tensors lifted: closures, globals, `self` attributes, partial arguments, the objects,
+dicts, lists and tuples held there, and modules passed as arguments are inputs of the trace, read
 fresh on every call, differentiated when they require grad, against eager CPU PyTorch."""
+import collections
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch_xla
 import models
 import torch_xla_jaxbridge as jb
 from parity import rel_err
+from torch_xla_jaxbridge._bridge import reach
 
 SCALE = None  # a global tensor read by `_scaled` (set by the tests)
 
@@ -137,9 +142,9 @@ def test_self_attributes_of_methods_modules_and_callables(dev):
     torch_xla_sync_and_compare(model, ref, x)
 
 
-def torch_xla_sync_and_compare(model, ref, x):
+def torch_xla_sync_and_compare(model, ref, x, loss=lambda net, inp: net(inp).sum()):
   ref.zero_grad()
-  ref(x).sum().backward()
+  loss(ref, x).backward()
   torch_xla.sync()
   grads = dict(model.named_parameters())
   for name, p in ref.named_parameters():
@@ -186,18 +191,125 @@ def test_captured_cpu_tensor_is_named(dev):
     jb.bridge(lambda x: x * table, name="lookup", fallback=False)(torch.ones(3, device=dev))
 
 
-def test_tensor_reached_through_a_list_is_refused_with_its_shape_line_and_fix(dev):
-  held = [torch.ones(5, device=dev)]
+class Extension:  # holds its values as a C extension object does: no `__dict__` to read
+  __slots__ = ("w",)
+
+
+def test_a_tensor_the_search_cannot_reach_is_refused_naming_where_it_stopped(dev):
+  box = types.SimpleNamespace(ext=Extension())
+  box.ext.w = torch.ones(5, device=dev)
 
   @jb.bridge(fallback=False)
-  def uses_list(x):
-    return x * held[0]
+  def uses_extension(x):
+    return x * box.ext.w
 
   with pytest.raises(jb.errors.CapturedTensorError,
-                     match=r"uses_list: a torch tensor of shape \(5,\) that is not an input .* "
-                     r"used at .*test_captures.py:\d+: return x \* held\[0\].*Pass it in as an "
-                     r"argument, or read it into a variable the function captures"):
-    uses_list(torch.ones(5, device=dev))
+                     match=r"uses_extension: a torch tensor of shape \(5,\) that is not an "
+                     r"input .* used at .*test_captures.py:\d+: return x \* box.ext.w.*Pass it in "
+                     r"as an argument \(or the model holding it\), or read it into a variable the "
+                     r"function captures.* The search for captured tensors stopped at `box.ext` "
+                     r"\(of type Extension: no `__dict__`, so its attributes cannot be read\)\."):
+    uses_extension(torch.ones(5, device=dev))
+
+
+class Trainer:  # a plain object holding the model (a transformers Trainer, a config object)
+  def __init__(self, model, scale):
+    self.model, self.cfg = model, types.SimpleNamespace(scale=scale, steps=3)
+
+  def compute_loss(self, x):
+    return (self.model(x) * self.cfg.scale).square().mean()
+
+
+def loss_shapes(model, scale):
+  """The same loss reached through objects, dicts, lists, tuples, methods and partials."""
+  trainer = Trainer(model, scale)
+  pair = collections.namedtuple("Pair", "model scale")(model, scale)
+  setup = {"models": [model], "scale": (scale,)}
+  compute = trainer.compute_loss
+  return {"object attributes": lambda x: (trainer.model(x) * trainer.cfg.scale).square().mean(),
+          "bound method of an object": trainer.compute_loss,
+          "lambda calling a method": lambda x: trainer.compute_loss(x),
+          "a bound method in a variable": lambda x: compute(x),
+          "dict, list and tuple":
+              lambda x: (setup["models"][0](x) * setup["scale"][0]).square().mean(),
+          "namedtuple": lambda x: (pair.model(x) * pair.scale).square().mean(),
+          "partial of a partial": functools.partial(functools.partial(_scaled_loss, model), scale)}
+
+
+def _scaled_loss(model, scale, x):
+  return (model(x) * scale).square().mean()
+
+
+@pytest.mark.parametrize("shape", list(loss_shapes(None, None)))
+def test_modules_and_tensors_reached_through_objects_match_eager(dev, shape):
+  torch.manual_seed(0)
+  ref = models.MLP()
+  ref_scale = torch.linspace(0.5, 2.0, 4, requires_grad=True)
+  model = copy.deepcopy(ref).to(dev)
+  scale = ref_scale.detach().to(dev).requires_grad_()
+  x = torch.randn(6, 8)
+  loss = jb.bridge(loss_shapes(model, scale)[shape], fallback=False)(x.to(dev))
+  loss.backward()
+  ref_loss = loss_shapes(ref, ref_scale)[shape](x)
+  ref_loss.backward()
+  torch_xla.sync()
+  assert rel_err(loss, ref_loss) < 1e-5
+  assert rel_err(scale.grad, ref_scale.grad) < 1e-5
+  grads = dict(model.named_parameters())
+  for name, p in ref.named_parameters():
+    assert rel_err(grads[name].grad, p.grad) < 1e-5, name
+
+
+def test_a_module_passed_as_an_argument_is_lifted(dev):
+  torch.manual_seed(0)
+  ref = models.ConvNet()  # batch norm: its running statistics are written back
+  model = copy.deepcopy(ref).to(dev)
+  x = torch.randn(4, 3, 6, 6)
+  bridged = jb.bridge(lambda net, inp: net(inp).square().mean(), name="loss", fallback=False)
+  bridged(model, x.to(dev)).backward()
+  torch_xla_sync_and_compare(model, ref, x, lambda net, inp: net(inp).square().mean())
+  for name, buf in ref.named_buffers():
+    torch.testing.assert_close(dict(model.named_buffers())[name].cpu(), buf, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_the_walk_is_kept_and_values_are_read_where_they_are_now(dev):
+  cfg = types.SimpleNamespace(shift=None, steps=0, items=[torch.ones(3, device=dev)])
+  f = jb.bridge(lambda x: x + cfg.items[0] + (0 if cfg.shift is None else cfg.shift), name="f")
+  x = torch.zeros(3, device=dev)
+  assert f(x).cpu().tolist() == [1.0, 1.0, 1.0]
+  walks, misses = reach.walks, _misses()
+  cfg.steps += 1  # a plain value changed: nothing to walk again
+  cfg.items[0] = torch.full((3,), 2.0, device=dev)  # a tensor replaced: read where it is now
+  assert f(x).cpu().tolist() == [2.0, 2.0, 2.0]
+  assert (reach.walks, _misses()) == (walks, misses)
+  cfg.shift = torch.full((3,), 10.0, device=dev)  # a tensor where None was: found, a new trace
+  assert f(x).cpu().tolist() == [12.0, 12.0, 12.0]
+  assert (reach.walks, _misses()) == (walks + 1, misses + 1)
+  cfg.items.append(torch.ones(3, device=dev))  # the list changed: walked again, same trace
+  assert f(x).cpu().tolist() == [12.0, 12.0, 12.0]
+  assert reach.walks == walks + 2
+
+
+def test_assigning_a_tensor_held_by_a_captured_object_is_refused(dev):
+  state = types.SimpleNamespace(total=torch.zeros(3, device=dev))
+
+  def accumulate(x):
+    state.total = state.total + x  # would be lost: the trace cannot reach the caller's object
+    return x
+
+  with pytest.raises(jb.errors.MutationError, match=r"accumulate: .* assigned a new value to the "
+                     r"captured `state.total`.*`state.total.copy_\(new\)`"):
+    jb.bridge(accumulate, fallback=False)(torch.ones(3, device=dev))
+  assert state.total.cpu().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_cpu_tensor_held_by_a_captured_object_is_named(dev):
+  cfg = types.SimpleNamespace(table=torch.ones(3))
+  with pytest.raises(jb.errors.CapturedTensorError,
+                     match=r"stopped at `cfg.table` \(a cpu tensor, not lifted: move it with "
+                     r"`.to\('xla'\)`\)"):
+    jb.bridge(lambda x: x * cfg.table, name="lookup", fallback=False)(torch.ones(3, device=dev))
 
 
 def test_assigning_a_captured_tensor_is_refused(dev):

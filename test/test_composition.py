@@ -47,22 +47,41 @@ def test_call_jax_inside_bridge_values_gradients_one_node(dev):
 
 def test_outside_tensors_inside_bridged_code_are_named(dev):
   outside = torch.ones(3, device="xla")
-  holder = [outside]  # a list in the closure is not lifted: its tensor stays outside the trace
+  stack = [Block().to("xla") for _ in range(2)]
+
+  def held():  # a helper's own closure is not lifted: its values stay outside the trace
+    return outside, stack
 
   @jb.bridge(fallback=False)
   def f(x):
-    return jb.call_jax(jnp.add, (x, holder[0]))
+    return jb.call_jax(jnp.add, (x, held()[0]))
 
-  with pytest.raises(jb.errors.CapturedTensorError, match=r"add: args\[1\] is a tensor on xla:0 from outside"):
+  with pytest.raises(jb.errors.CapturedTensorError,
+                     match=r"add: args\[1\] is a tensor on xla:0 from outside"):
     f(torch.ones(3, device="xla"))
-  layers = [Block().to("xla") for _ in range(2)]
 
   @jb.bridge(fallback=False)
   def g(h):
-    return jb.scan_layers(layers, h)
+    return jb.scan_layers(held()[1], h)
 
   with pytest.raises(jb.errors.CapturedTensorError, match=r"scan_Block: args\[1\]\['lin.bias'\]"):
     g(torch.ones(2, 4, device="xla"))
+
+
+def test_layers_in_a_list_the_bridged_code_closes_over_are_lifted(dev):
+  torch.manual_seed(0)
+  ref = [Block() for _ in range(2)]
+  layers = [copy.deepcopy(block).to(dev) for block in ref]  # a Python list, not a ModuleList
+  h = torch.randn(2, 4)
+  out = jb.bridge(lambda x: jb.scan_layers(layers, x), name="g", fallback=False)(h.to(dev))
+  out.sum().backward()
+  expected = h
+  for block in ref:
+    expected = torch.tanh(block.lin(expected))
+  expected.sum().backward()
+  close(out, expected)
+  for block, r in zip(layers, ref):
+    close(block.lin.weight.grad, r.lin.weight.grad)
 
 
 @jb.bridge(remat="full")

@@ -1,15 +1,21 @@
 """jb.train_step: loss, gradients and jb.optim.AdamW's update as one graph node, against eager CPU
 torch (AdamW, clip_grad_norm_, LambdaLR); one node, one trace under a changing learning rate;
-buffers written back; fresh randomness; optimizer hooks and schedulers; errors."""
+buffers written back; fresh randomness; optimizer hooks and schedulers; the model found however
+the loss reaches it (objects, methods, partials, arguments, a Hugging Face model); errors."""
 import copy
+import dataclasses
+import functools
 import re
+import types
 import warnings
 
 import pytest
 import torch
 import torch_xla
+import transformers
 
 import torch_xla_jaxbridge as jb
+import zoo
 
 
 def model_on(dev):
@@ -153,3 +159,136 @@ def test_bad_input_says_what_to_do(dev):
   with pytest.raises(jb.errors.BadArgumentError, match="none of the tensors .* is a parameter of "
                      "the optimizer"):
     jb.train_step(lambda x, y: (other(x) - y).square().mean(), opt)(x, y)
+
+
+class Holder:  # a plain object, not a module (a transformers Trainer, a config namespace)
+  pass
+
+
+class Trainer:
+  def __init__(self, model):
+    self.model, self.args = model, types.SimpleNamespace(scale=0.5, logging_steps=10)
+
+  def compute_loss(self, x, y):
+    return (self.model(x) - y).square().mean() * self.args.scale
+
+  __call__ = compute_loss
+
+
+@dataclasses.dataclass
+class Setup:
+  models: dict
+  weight: torch.Tensor  # not trained: an input read fresh each step
+
+
+def _scaled(model, x, y, scale=1.0):
+  return (model(x) - y).square().mean() * scale
+
+
+def holder_attribute(model):
+  trainer = Holder()
+  trainer.model = model
+  return lambda x, y: (trainer.model(x) - y).square().mean()
+
+
+def dataclass_with_a_dict(model):
+  setup = Setup({"student": model}, torch.linspace(0.5, 1.5, 3).to(next(model.parameters()).device))
+  return lambda x, y: ((setup.models["student"](x) - y) * setup.weight).square().mean()
+
+
+def lambda_calling_a_method(model):
+  trainer = Trainer(model)
+  return lambda x, y: trainer.compute_loss(x, y)
+
+
+SHAPES = {"holder attribute": holder_attribute, "dataclass with a dict": dataclass_with_a_dict,
+          "bound method": lambda model: Trainer(model).compute_loss,
+          "lambda calling a method": lambda_calling_a_method,
+          "callable object": Trainer,
+          "nested partial": lambda model: functools.partial(functools.partial(_scaled, model),
+                                                            scale=0.5),
+          "module argument": lambda model: _scaled}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_model_is_found_wherever_the_loss_reaches_it(dev, shape):
+  cpu_model = model_on("cpu")
+  xla_model = copy.deepcopy(cpu_model).to(dev)
+  ref = torch.optim.AdamW(cpu_model.parameters(), lr=0.05)
+  ours = jb.optim.AdamW(xla_model.parameters(), lr=0.05)
+  ref_loss_fn, loss_fn = SHAPES[shape](cpu_model), SHAPES[shape](xla_model)
+  step = jb.train_step(loss_fn, ours, fallback=False)
+  given = (lambda m, *b: (m, *b)) if shape == "module argument" else (lambda m, *b: b)
+  ref_losses, losses = [], []
+  for x, y in batches(3):
+    ref.zero_grad()
+    loss = ref_loss_fn(*given(cpu_model, x, y))
+    loss.backward()
+    ref.step()
+    ref_losses.append(loss.detach())
+    losses.append(step(*given(xla_model, x.to(dev), y.to(dev))))
+    torch_xla.sync()
+  torch.testing.assert_close(torch.stack([l.cpu() for l in losses]), torch.stack(ref_losses))
+  for (name, a), b in zip(xla_model.state_dict().items(), cpu_model.state_dict().values()):
+    torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6, msg=name)  # buffers too
+  assert jb.cache_info().misses == 1
+
+
+@pytest.mark.parametrize("holder", [
+    "plain object", pytest.param("transformers.Trainer.compute_loss", marks=pytest.mark.slow)])
+def test_a_hugging_face_model_held_by_a_trainer_object(dev, tmp_path, holder):
+  model, inputs = zoo.build("llama")
+  moved = zoo.on_xla(model, "llama", "whole")[0]
+  ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+  opt = jb.optim.AdamW(moved.parameters(), lr=1e-3)
+  batch = {k: v.to(dev) for k, v in inputs.items()}
+  if holder == "plain object":
+    trainer = Holder()
+    trainer.model = moved
+    step = jb.train_step(lambda batch: trainer.model(**batch).loss, opt, fallback=False)
+    call = lambda: step(batch)  # noqa: E731
+  else:  # the model as an argument of a bound method of the real thing
+    trainer = transformers.Trainer(model=moved, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    step = jb.train_step(trainer.compute_loss, opt, fallback=False)
+    call = lambda: step(trainer.model, batch)  # noqa: E731
+  ref_losses, losses = [], []
+  for _ in range(3):
+    ref.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    ref.step()
+    ref_losses.append(loss.item())
+    losses.append(call())
+    torch_xla.sync()
+  assert [l.item() for l in losses] == pytest.approx(ref_losses, rel=1e-4)
+  assert losses[-1].item() < losses[0].item()
+  for (name, a), b in zip(moved.named_parameters(), model.parameters()):
+    torch.testing.assert_close(a.cpu(), b.detach(), rtol=1e-4, atol=1e-5, msg=name)
+  assert jb.cache_info().misses == 1
+
+
+class Extension:  # holds its values as a C extension object does: no `__dict__` to read
+  __slots__ = ("model",)
+
+
+def test_a_model_the_search_cannot_reach_is_named_with_the_fixes(dev):
+  model = model_on(dev)
+  trainer = Holder()
+  trainer.ext, trainer.head = Extension(), torch.nn.Linear(3, 3).to(dev)
+  trainer.ext.model = model
+  opt = jb.optim.AdamW([*model.parameters(), *trainer.head.parameters()])
+  x, y = (t.to(dev) for t in batches(1)[0])
+  fixes = (r".*Pass the model as an argument \(`jb.train_step\(lambda model, batch: "
+           r"model\(\*\*batch\).loss, opt\)`, called as `step\(model, batch\)`\), or read it into "
+           r"a variable the loss function closes over \(`model = trainer.model`")
+  stopped = re.escape("The search for captured tensors stopped at `trainer.ext` (of type "
+                      "Extension: no `__dict__`, so its attributes cannot be read).")
+  with pytest.raises(jb.errors.UsageError, match="none of the tensors _lambda_ reads .* what it "
+                     "captures: no module or tensor\\) is a parameter of the optimizer. " +
+                     stopped + fixes):
+    jb.train_step(lambda x, y: (trainer.ext.model(x) - y).square().mean(), opt)(x, y)
+  with pytest.raises(jb.errors.CapturedTensorError, match=r"not an input .* used at .*"
+                     r"trainer.head\(trainer.ext.model\(x\)\).*" + stopped):
+    jb.train_step(lambda x, y: (trainer.head(trainer.ext.model(x)) - y).square().mean(), opt,
+                  fallback=False)(x, y)

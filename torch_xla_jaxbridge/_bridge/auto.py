@@ -63,7 +63,7 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
   key = modules.structure_key(module)
   found = _SHARED.get((key, remat, hooks)) if key is not None else None
   if found is None:
-    found = Bridged(SharedForward(hooks), remat=remat, name=type(module).__name__)
+    found = Bridged(SharedForward(hooks), remat=remat, name=type(module).__name__, lift=False)
     if key is not None:
       _SHARED[(key, remat, hooks)] = found
   return found

@@ -27,8 +27,11 @@ class Bridged:
     [2.0, 2.0]
   """
 
-  def __init__(self, fn, *, remat=None, name=None):
+  def __init__(self, fn, *, remat=None, name=None, lift=True):
     self.policy = remat_policies.policy_for(remat)  # validates `remat`
+    # False: `fn` is the bridge's own (a module's forward over a template module): what it holds
+    # is not captured, its state comes as arguments
+    self.lift = lift
     self.offloads = remat_policies.offloads(remat)
     self.fn = fn
     self.name = call.function_name(fn, name)
@@ -61,7 +64,7 @@ class Bridged:
   def _bridged_call(self, args, kwargs, seed):
     grad_on = torch.is_grad_enabled()
     call_ = spec_.prepare(self.fn, self.name, args, kwargs,
-                          lambda t: grad_on and t.requires_grad)
+                          lambda t: grad_on and t.requires_grad, lift=self.lift)
     device = _device(call_.diff, call_.other)
     floats, others, mutated, layout = self.keyed(
         lambda key: self._invoke(call_.spec, key, call_.diff, call_.other), device, seed)
@@ -103,8 +106,14 @@ class Bridged:
     if stateful.has_snapshots((args, kwargs)):
       fn = stateful.functionalized(fn)
     self.traces += 1
-    outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
-                                                      fn_name=self.name)
+    try:
+      outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
+                                                        fn_name=self.name)
+    except errors.CapturedTensorError as e:  # completed with where the search for captures stopped
+      more = captures.hint(self.fn) if self.lift else ""
+      if not more:
+        raise
+      raise type(e)(f"{e}{more}") from e.__cause__
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
     kinds = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))

@@ -1,19 +1,20 @@
 """Captured tensors lifted: what a bridged function reads besides its arguments becomes an input.
 
 A bridged function may read tensors and modules from its enclosing scope (closure cells), from
-its module's globals, or (a bound method, a module, a callable object) from attributes of `self`.
-At each call `collect` reads them where they are now and returns them as a `Lifted` pytree, which
-the bridged call passes as one more argument: captured tensors are inputs of the trace (a tensor
-that requires grad is differentiable, a tensor replaced or updated between calls is read fresh),
-and where they were found is part of the signature. While the trace runs, `calling` puts the
-traced tensors where the code reads the captured ones: a rebuilt closure and globals dict, and
-the traced parameters and buffers in place of a captured module's own.
+its module's globals, from `self` (a bound method of any object, a module, a callable object), from
+a `functools.partial`'s arguments, and from the plain objects, dicts, lists and tuples these hold
+(`reach`: a trainer object's `model`, a dict of models); a module may also be passed as an
+argument. At each call `collect` reads them where they are now and returns them as a `Lifted`
+pytree, which the bridged call passes as one more argument: captured tensors are inputs of the
+trace (a tensor that requires grad is differentiable, a tensor replaced or updated between calls is
+read fresh), and where they were found is part of the signature. While the trace runs, `calling`
+puts the traced tensors where the code reads the captured ones (`places`), and the traced
+parameters and buffers in place of a captured module's own.
 
-What is not lifted (a tensor reached through a list or another object's attributes, or read by a
-helper function's own closure) is still refused with `CapturedTensorError`.
+What is not lifted (a tensor read by a helper function's own closure, reached through an object
+without `__dict__`, deeper than `reach.DEPTH`) is still refused with `CapturedTensorError`, which
+`hint` completes with where the search stopped.
 """
-import dis
-import functools
 import itertools
 import types
 import weakref
@@ -22,10 +23,11 @@ from typing import Callable, Optional
 import torch
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge import places, reach
+from torch_xla_jaxbridge._bridge.places import ARG, KWARG
+from torch_xla_jaxbridge._bridge.reach import SELF
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import modules, runtime, threads, tracing
-
-CELL, GLOBAL, ATTR, SELF = "cell", "global", "attr", "self"  # where a captured value was found
 
 
 class CapturedKey:
@@ -49,12 +51,13 @@ class Lifted:
   """The captured tensors of one call, and where each was found (the static layout).
 
   `layout` holds one entry per captured value: `(where, name, kind, params, buffers, extra)`,
-  `where` a `(CELL, index)`, `(GLOBAL, name)`, `(ATTR, name)` or `(SELF,)` location, `kind`
-  "tensor" or "module"; a module's `params`/`buffers` are its state names and `extra` its
-  identity token and training modes. Equal layouts (and tensor signatures) share a trace.
+  `where` its place (`reach`: a root such as `(CELL, index)`, `(GLOBAL, name)`, `(SELF,)`, then
+  `(ATTR, name)` / `(ITEM, key)` steps), `kind` "tensor" or "module"; a module's
+  `params`/`buffers` are its state names and `extra` its identity token and training modes.
+  Equal layouts (and tensor signatures) share a trace.
 
   Example:
-    >>> lifted = Lifted((torch.ones(2),), (((GLOBAL, "w"), "w", "tensor", (), (), None),))
+    >>> lifted = Lifted((torch.ones(2),), ((((reach.GLOBAL, "w"),), "w", "tensor", (), (), None),))
     >>> lifted.names()
     ['w']
   """
@@ -89,7 +92,6 @@ def _register_pytree():
 
 _TOKENS = weakref.WeakKeyDictionary()  # module -> (identity token, StateWalk)
 _COUNTER = itertools.count()
-_FRESH = object()  # a place made for the trace (a new cell, a copied globals dict): no restore
 
 
 def _module_state(module):
@@ -100,71 +102,43 @@ def _module_state(module):
   return (token,) + walk.state()
 
 
-@functools.lru_cache(maxsize=4096)
-def _global_names(code):
-  """The global names `code` and the code nested in it (lambdas, comprehensions) read."""
-  names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-  for const in code.co_consts:
-    if isinstance(const, types.CodeType):
-      names |= _global_names(const)
-  return frozenset(names)
+def _direct(where):
+  """Whether a place is one where captures were always read: a cell, a global, a partial's
+  argument, `self` or an attribute of `self`."""
+  return len(where) == 1 or (len(where) == 2 and where[0] == (SELF,))
 
 
-def _target(fn):
-  """`(function whose closure and globals are read, self or None)` of a bridged callable."""
-  if isinstance(fn, types.FunctionType):
-    return fn, None
-  if isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
-    return fn.__func__, fn.__self__
-  if isinstance(fn, torch.nn.Module):
-    return None, fn
-  call = getattr(type(fn), "__call__", None)
-  if isinstance(call, types.FunctionType) and hasattr(fn, "__dict__"):
-    return call, fn
-  return None, None  # builtins, partials, ...: nothing is lifted
+def _with_module_arguments(places, values, args, kwargs):
+  """`places`, `values` and the modules passed as arguments (not already among `values`)."""
+  seen = {id(value) for value in values}
+  pairs = [((ARG, i), f"args[{i}]", a) for i, a in enumerate(args)]
+  pairs += [((KWARG, k), f"kwargs[{k!r}]", v) for k, v in (kwargs or {}).items()]
+  pairs = [(((key,), name), value) for key, name, value in pairs
+           if isinstance(value, torch.nn.Module) and id(value) not in seen]
+  return list(places) + [p for p, _ in pairs], list(values) + [v for _, v in pairs]
 
 
-def _liftable(value):
-  return isinstance(value, (torch.Tensor, torch.nn.Module))
-
-
-def collect(fn: Callable, fn_name: str, *, xla: bool = True) -> Optional[Lifted]:
-  """The tensors and modules `fn` reads from its closure, its globals and `self`, as they are
-  now; None when there are none. With `xla`, a captured tensor that is not an XLA tensor is an
-  error naming it.
+def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
+            kwargs: Optional[dict] = None) -> Optional[Lifted]:
+  """The tensors and modules `fn` reads from its closure, its globals, `self`, its partial's
+  arguments and the objects they hold (`reach.find`), and the modules among `args` / `kwargs`,
+  as they are now; None when there are none. With `xla`, a tensor found at a cell, global,
+  partial argument or attribute of `self` that is not an XLA tensor is an error naming it (one
+  found deeper is left out, and `hint` names it).
 
   Example:
     >>> w = torch.ones(3)
     >>> collect(lambda x: x * w, "f", xla=False)
     Lifted(w)
   """
-  function, owner = _target(fn)
-  found = []  # (where, name, value)
-  if function is not None:
-    code = function.__code__
-    for i, (name, cell) in enumerate(zip(code.co_freevars, function.__closure__ or ())):
-      try:
-        value = cell.cell_contents
-      except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
-        continue
-      if _liftable(value):
-        found.append(((CELL, i), name, value))
-    scope = function.__globals__
-    for name in sorted(_global_names(code)):
-      value = scope.get(name)
-      if value is not None and _liftable(value):
-        found.append(((GLOBAL, name), name, value))
-  if owner is not None:
-    if isinstance(owner, torch.nn.Module):
-      found.append(((SELF,), "self", owner))
-    for name, value in sorted(vars(owner).items()):
-      if _liftable(value):
-        found.append(((ATTR, name), f"self.{name}", value))
-  if not found:
+  places, values = reach.find(fn)
+  if args or kwargs:
+    places, values = _with_module_arguments(places, values, args, kwargs)
+  if not places:
     return None
   _register_pytree()
   tensors, layout = [], []
-  for where, name, value in found:
+  for (where, name), value in zip(places, values):
     if isinstance(value, torch.Tensor):
       tensors.append(value)
       layout.append((where, name, "tensor", (), (), None))
@@ -174,14 +148,50 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True) -> Optional[Lifted]
       tensors.extend(buffers.values())
       layout.append((where, name, "module", tuple(params), tuple(buffers), (token, training)))
   lifted = Lifted(tensors, tuple(layout))
-  if xla and not all([t.is_xla for t in tensors]):  # names only to say which one is not
-    for name, tensor in zip(lifted.names(), lifted.tensors):
-      if not tensor.is_xla:
-        raise errors.BadArgumentError(
-            f"{fn_name} reads `{name}` (a {tensor.device.type} tensor of shape "
-            f"{tuple(tensor.shape)}) from outside its arguments; bridged code runs on XLA "
-            f"tensors. Move it with `.to('xla')` (a module: `module.to('xla')`).")
+  if xla and not all([t.is_xla for t in tensors]):
+    return _on_xla(lifted, fn_name)
   return lifted
+
+
+def _on_xla(lifted, fn_name):
+  """`lifted` less the tensors not on the XLA device found below a cell, global, partial
+  argument or attribute of `self` (`hint` names them); one found there is an error naming it."""
+  tensors, layout, at = [], [], 0
+  for entry in lifted.layout:
+    where, _, kind, params, buffers, _ = entry
+    own = lifted.tensors[at:at + (1 if kind == "tensor" else len(params) + len(buffers))]
+    at += len(own)
+    if kind == "module" or own[0].is_xla or _direct(where):
+      tensors.extend(own)
+      layout.append(entry)
+  lifted = Lifted(tensors, tuple(layout)) if layout else None
+  for name, tensor in zip(lifted.names(), lifted.tensors) if lifted else ():
+    if not tensor.is_xla:
+      raise errors.BadArgumentError(
+          f"{fn_name} reads `{name}` (a {tensor.device.type} tensor of shape "
+          f"{tuple(tensor.shape)}) from outside its arguments; bridged code runs on XLA "
+          f"tensors. Move it with `.to('xla')` (a module: `module.to('xla')`).")
+  return lifted
+
+
+def hint(fn: Callable) -> str:
+  """A sentence naming where the search for `fn`'s captures stopped (`reach.notes`) and the
+  tensors it left out for not being on the XLA device; empty when there are none.
+
+  Example:
+    >>> import types
+    >>> cfg = types.SimpleNamespace(w=torch.ones(2))
+    >>> hint(lambda: cfg.w).split(" (")[0]
+    ' The search for captured tensors stopped at `cfg.w`'
+  """
+  stops = reach.notes(fn) + [
+      f"`{name}` (a {value.device.type} tensor, not lifted: move it with `.to('xla')`)"
+      for (where, name), value in zip(*reach.find(fn))
+      if isinstance(value, torch.Tensor) and not value.is_xla and not _direct(where)]
+  if not stops:
+    return ""
+  more = f"; and {len(stops) - 5} more" if len(stops) > 5 else ""
+  return f" The search for captured tensors stopped at {'; '.join(stops[:5])}{more}."
 
 
 def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Optional[Lifted]:
@@ -199,14 +209,16 @@ def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Optional[
   return collect(fn, fn_name)
 
 
-def with_captures(fn: Callable, fn_name: str, args: tuple, *, xla: bool = True) -> tuple:
-  """`args` with `fn`'s captured tensors (`collect`) put first, or `args` when there are none.
+def with_captures(fn: Callable, fn_name: str, args: tuple, kwargs: Optional[dict] = None, *,
+                  xla: bool = True) -> tuple:
+  """`args` with what `fn` captures and the modules among its arguments (`collect`) put first, or
+  `args` when there are none.
 
   Example:
     >>> with_captures(torch.sin, "sin", (1,))
     (1,)
   """
-  lifted = collect(fn, fn_name, xla=xla)
+  lifted = collect(fn, fn_name, xla=xla, args=args, kwargs=kwargs)
   return args if lifted is None else (lifted, *args)
 
 
@@ -240,55 +252,36 @@ def call_with(fn: Callable, lifted: Optional[Lifted], args: tuple, kwargs: dict)
 
 
 def _call_with(fn, lifted, args, kwargs):
-  function, owner = _target(fn)
+  scene = places.Scene(fn, args, kwargs)
   tensors = iter(lifted.tensors)
-  cells = list(function.__closure__ or ()) if function is not None else []
-  scope = None
-  placed = []  # (name, table, key, old value, traced value): put back in reverse order
+  pending = {}  # where -> (name, traced tensor)
   try:
     for where, name, kind, params, buffers, _ in lifted.layout:
       if kind == "tensor":
-        value = next(tensors)
-        if where[0] == CELL:
-          cells[where[1]] = types.CellType(value)
-          placed.append((name, cells[where[1]], "cell_contents", _FRESH, value))
-        elif where[0] == GLOBAL:
-          scope = dict(function.__globals__) if scope is None else scope
-          scope[where[1]] = value
-          placed.append((name, scope, where[1], _FRESH, value))
-        else:
-          _swap(placed, name, vars(owner), where[1], value)
+        pending[where] = (name, next(tensors))
         continue
-      module = _read(function, owner, where)
+      module = scene.read(where)
       for names, table in ((params, torch_private.parameters_table),
                            (buffers, torch_private.buffers_table)):
         for full in names:
           prefix, _, leaf = full.rpartition(".")
-          _swap(placed, f"{name}.{full}", table(module.get_submodule(prefix)), leaf,
-                next(tensors))
-    if function is not None and (scope is not None or cells):
-      rebuilt = types.FunctionType(function.__code__, scope or function.__globals__,
-                                   function.__name__, function.__defaults__, tuple(cells))
-      rebuilt.__kwdefaults__ = function.__kwdefaults__
-      outputs = rebuilt(*args, **kwargs) if owner is None else rebuilt(owner, *args, **kwargs)
-    else:
-      outputs = fn(*args, **kwargs)
-    _check_not_reassigned(fn, placed)
-    if scope is not None:  # other globals the code assigned, as it would have without lifting
-      lifted_names = {w[1] for w, *_ in lifted.layout if w[0] == GLOBAL}
-      for key, value in scope.items():
-        if key not in lifted_names and function.__globals__.get(key, scope) is not value:
-          function.__globals__[key] = value
+          places.swap(scene.placed, f"{name}.{full}", table(module.get_submodule(prefix)), leaf,
+                      next(tensors))
+    scene.place(pending)
+    outputs = scene.run(args, kwargs)
+    _check_not_reassigned(fn, scene.placed)
+    scene.keep_assigned_globals()
     return outputs
   finally:
-    for _, table, key, old, _ in reversed(placed):
-      if old is not _FRESH:
-        table[key] = old
+    scene.restore()
 
 
 def _check_not_reassigned(fn, placed):
   for name, table, key, _, value in placed:
-    now = getattr(table, key) if key == "cell_contents" else table.get(key)
+    try:
+      now = table.cell_contents if isinstance(table, types.CellType) else table[key]
+    except (KeyError, IndexError):  # deleted
+      now = None
     if now is not value:
       fn_name = getattr(fn, "__name__", type(fn).__name__)
       raise errors.MutationError(
@@ -299,7 +292,7 @@ def _check_not_reassigned(fn, placed):
 
 def read_capture(fn: Callable, where: tuple) -> object:
   """The value `fn` reads at the place `where` of a `Lifted` layout entry (a closure cell, a
-  global, an attribute of `self`, or `self`).
+  global, `self`, a partial's argument, and the attributes and items below it).
 
   Example:
     >>> w = torch.ones(1)
@@ -307,20 +300,4 @@ def read_capture(fn: Callable, where: tuple) -> object:
     >>> read_capture(f, collect(f, "f", xla=False).layout[0][0]) is w
     True
   """
-  function, owner = _target(fn)
-  return _read(function, owner, where)
-
-
-def _read(function, owner, where):
-  if where[0] == CELL:
-    return function.__closure__[where[1]].cell_contents
-  if where[0] == GLOBAL:
-    return function.__globals__[where[1]]
-  if where[0] == ATTR:
-    return vars(owner)[where[1]]
-  return owner
-
-
-def _swap(placed, name, table, key, value):
-  placed.append((name, table, key, table[key], value))
-  table[key] = value
+  return reach.read(fn, where)

@@ -34,7 +34,7 @@ def run_inline(bridged, args, kwargs, seed=None):
           f"bridged code that calls {bridged.name} (shape {tuple(leaf.shape)}); inside bridged "
           f"code every tensor must come from its arguments. Pass it (or the modules holding it) "
           f"to the enclosing bridged function as an argument, or read it from a variable that "
-          f"function closes over directly (a tensor or module, not in a list).")
+          f"function closes over (or an object, dict or list held there).")
   env = tracing.environment()
   key = None if seed is None else _key_from_seed(jax, seed)
   if bridged.policy is None:

@@ -176,7 +176,7 @@ def abstract_call(fn, args, kwargs, remat):
     target = Bridged(own, remat=remat, name=bridged.name if bridged else None)
     if remat is None and bridged is not None:
       target.policy, target.offloads = bridged.policy, bridged.offloads
-    call_args = (captures.with_captures(own, target.name, args, xla=False), kwargs)
+    call_args = (captures.with_captures(own, target.name, args, kwargs, xla=False), kwargs)
   register_static_pytree()
   spec, diff, other = Spec.split(call_args, lambda t: t.requires_grad, target.name)
   lifted = not is_module and bool(call_args[0]) and isinstance(call_args[0][0], captures.Lifted)

@@ -144,7 +144,8 @@ def _bridged_scan(template, structure, remat):
       # no policy: what jax.vjp keeps, less what XLA would fuse away in the unrolled layers (a
       # scan stores each kept value for every layer: 1.33x LazyTensor's step bytes without this)
       policy = remat_policies.policy_for(remat) or remat_policies.save_unfused
-      bridged = Bridged(_ScanLayers(policy), name=f"scan_{type(template).__name__}")
+      bridged = Bridged(_ScanLayers(policy), name=f"scan_{type(template).__name__}",
+                         lift=False)
       if structure is not None:
         _BY_STRUCTURE[(structure, remat)] = bridged
     own[(structure, remat)] = bridged

@@ -1,10 +1,11 @@
 """The static part of a bridged call (`Spec`), and a call's arguments prepared for the trace.
 
-`prepare` lifts the tensors a function reads from its closure, globals and `self` into a first
-argument, passes argument objects holding tensors as their state, and splits the tensors into
-those that need gradients and the rest; the `Spec` that merges them back (structure, static
-values, markers) keys the trace cache. `Layout` and `Residuals` are what a trace learns about its
-outputs and its backward; they travel through `call_jax` as static output structure.
+`prepare` lifts the tensors a function reads from its closure, globals, `self` and partial
+arguments (and the objects held there) into a first argument, passes argument objects holding
+tensors as their state, and splits the tensors into those that need gradients and the rest; the
+`Spec` that merges them back (structure, static values, markers) keys the trace cache. `Layout`
+and `Residuals` are what a trace learns about its outputs and its backward; they travel through
+`call_jax` as static output structure.
 """
 import dataclasses
 
@@ -168,11 +169,12 @@ class Prepared:
   boxed: tuple  # (argument object, its Snapshot) for objects passed as their state
 
 
-def prepare(fn, name, args, kwargs, needs_grad) -> Prepared:
+def prepare(fn, name, args, kwargs, needs_grad, *, lift=True) -> Prepared:
   """`fn(*args, **kwargs)`'s arguments for a bridged call: the tensors and modules `fn` reads from
-  its closure, globals and `self` lifted into a first argument, argument objects that hold
-  tensors (a Hugging Face cache) replaced by their `Snapshot`, and the tensors split by
-  `needs_grad(t)` into `diff` and `other`.
+  its closure, globals, `self` and partial arguments (and the objects held there), and the
+  modules among the arguments, lifted into a first argument (unless `lift` is False), argument
+  objects that hold tensors (a Hugging Face cache) replaced by their `Snapshot`, and the tensors
+  split by `needs_grad(t)` into `diff` and `other`.
 
   Example:
     >>> w = torch.ones(2, device="xla", requires_grad=True)
@@ -181,7 +183,8 @@ def prepare(fn, name, args, kwargs, needs_grad) -> Prepared:
     >>> len(prepared.diff), len(prepared.other)
     (1, 1)
   """
-  args = captures.with_captures(fn, name, args)
+  if lift:
+    args = captures.with_captures(fn, name, args, kwargs)
   spec, diff, other = Spec.split((args, kwargs), needs_grad, name)
   boxed = ()
   if spec.has_objects:  # argument objects holding tensors: passed as their state

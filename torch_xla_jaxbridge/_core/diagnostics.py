@@ -92,13 +92,15 @@ def translate(exc: Exception, fn_name: str) -> errors.BridgeError:
     shape = exc.args[0] if exc.args else "?"
     return errors.CapturedTensorError(
         f"{fn_name}: a torch tensor of shape {shape} that is not an input of the bridged function "
-        f"was used at {where}. Tensors the function reads directly from its enclosing scope, a "
-        f"global of its module or an attribute of `self` (and the parameters and buffers of "
-        f"modules held there) become inputs; this one was reached another way (through a list or "
-        f"dict, another object's attribute, a helper function's own closure or globals, or a "
-        f"module passed as an argument). Pass it in as an argument, or read it into a variable "
-        f"the function captures (`w = holder.w` in the enclosing scope), or register it as a "
-        f"parameter or buffer of the module.")
+        f"was used at {where}. Tensors and modules the function reads from its enclosing scope, "
+        f"its module's globals, `self` or a functools.partial's arguments, or through the plain "
+        f"objects, dicts, lists and tuples held there (a few levels deep, by the attribute names "
+        f"its code spells), and modules passed as arguments, become inputs (with their "
+        f"parameters and buffers); this one was reached another way (a helper function's own "
+        f"closure or globals, an object without `__dict__`, a plain tensor attribute of a "
+        f"module). Pass it in as an argument (or the model holding it), or read it into a "
+        f"variable the function captures (`w = holder.w`, `model = trainer.model` in the "
+        f"enclosing scope), or register it as a parameter or buffer of the module.")
   return errors.JaxTracingError(f"{fn_name} failed while being traced, at {where}: "
                                 f"{kind}: {exc}{_upstream_hint(exc)}")
 

@@ -347,8 +347,8 @@ def _unwrap(jax, outputs, fn_name):
       raise errors.CapturedTensorError(
           f"{fn_name} returned a torch tensor that is not computed from its arguments (shape "
           f"{tuple(x.shape)}, device {x.device}), reached where the bridge does not lift "
-          f"tensors from (a list, another object's attribute, a helper's closure). Pass it in as "
-          f"an argument, or read it from a variable of the enclosing scope, a global or `self`.")
+          f"tensors from (a helper's closure, an object without `__dict__`). Pass it in as an "
+          f"argument, or read it from a variable of the enclosing scope, a global or `self`.")
     return x
 
   return jax.tree.map(unwrap, outputs, is_leaf=lambda x: isinstance(x, torch.Tensor))

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from torch_xla_jaxbridge import errors, optim
-from torch_xla_jaxbridge._bridge import auto, bridging, spec, vjp
+from torch_xla_jaxbridge._bridge import auto, bridging, captures, spec, vjp
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._core import call, runtime, sharding
@@ -74,9 +74,12 @@ class TrainStep:
     diff = prepared.diff
     if not diff:
       raise errors.UsageError(
-          f"train_step: none of the tensors {self.name} reads (arguments, or modules and tensors "
-          f"it closes over) is a parameter of the optimizer; close over the model the optimizer "
-          f"trains (e.g. lambda x, y: loss(model(x), y)) or pass it as an argument.")
+          f"train_step: none of the tensors {self.name} reads (its arguments, and what it "
+          f"captures: {_captured(prepared.args)}) is a parameter of the optimizer."
+          f"{captures.hint(bridged.fn)} Pass the model as an argument (`jb.train_step(lambda "
+          f"model, batch: model(**batch).loss, opt)`, called as `step(model, batch)`), or read it "
+          f"into a variable the loss function closes over (`model = trainer.model`, then "
+          f"`lambda batch: model(**batch).loss`).")
     params, positions = self._order(diff)
     states, scalars, statics = optimizer.prepare(params)
     statics = dict(statics, positions=positions)
@@ -142,13 +145,21 @@ class TrainStep:
     return loss, optim.apply_rule(params, grads, states, scalars, **statics), aux
 
 
+def _captured(args):
+  """The modules and tensors a call's `Lifted` first argument holds, by name, for an error."""
+  if not (args and isinstance(args[0], captures.Lifted)):
+    return "no module or tensor"
+  return ", ".join(f"`{name}` (a {kind})" for _, name, kind, *_ in args[0].layout)
+
+
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
                remat: remat_policies.RematArg = None, fallback: bool = True) -> TrainStep:
   """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
   optimizer's parameters, and the optimizer's update.
 
   `loss_fn` is torch code returning a scalar loss; the parameters it reads (of modules it closes
-  over or takes as arguments) that `optimizer` (any `jb.optim` optimizer) holds are trained, with
+  over, reaches through objects, dicts, lists, a bound method's `self` or a partial's arguments,
+  or takes as arguments) that `optimizer` (any `jb.optim` optimizer) holds are trained, with
   the optimizer's param groups, clipping and learning rate (schedulers keep working: the rates
   travel as a device input). Each call returns the loss as an XLA tensor and updates the
   parameters and optimizer state in place; `optimizer.grad_norm` holds the norm before clipping.
@@ -161,6 +172,7 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
 
   Example:
     >>> import torch, torch_xla, torch_xla_jaxbridge as jb
+    >>> _ = torch.manual_seed(0)  # (unseeded, an initial loss near zero can end above it)
     >>> model = torch.nn.Linear(4, 1).to("xla")
     >>> opt = jb.optim.AdamW(model.parameters(), lr=0.1)
     >>> step = jb.train_step(lambda x, y: ((model(x) - y) ** 2).mean(), opt)

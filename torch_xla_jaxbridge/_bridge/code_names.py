@@ -1,0 +1,81 @@
+"""The names a callable's code reads: the globals it loads, and every name it can read an
+attribute by, through its own code, nested code, and the methods and properties of a class.
+
+The walk for captured values (`reach`) follows an object's attributes only by these names, so a
+trainer's optimizer, data loaders and logger are not searched unless the code names them.
+"""
+import dis
+import functools
+import types
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code: types.CodeType) -> frozenset:
+  """The global names `code` and the code nested in it (lambdas, comprehensions) read.
+
+  Example:
+    >>> sorted(global_names((lambda: torch.ones(1) + [x for x in range(2)][0]).__code__))
+    ['range', 'torch']
+  """
+  names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= global_names(const)
+  return frozenset(names)
+
+
+@functools.lru_cache(maxsize=4096)
+def code_names(code: types.CodeType) -> frozenset:
+  """Every name `code` and its nested code can read an attribute by (and its identifier strings:
+  `getattr(o, "name")`, `d["name"]`).
+
+  Example:
+    >>> sorted(code_names((lambda t: t.model(getattr(t, "scale"))).__code__))
+    ['getattr', 'model', 'scale']
+  """
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= code_names(const)
+    elif isinstance(const, str) and const.isidentifier():
+      names.add(const)
+  return frozenset(names)
+
+
+def function_names(value: object) -> frozenset:
+  """The names a function-like value's code reads (a function, property, static or class method,
+  and what `functools.wraps` wrapped), or an empty set.
+
+  Example:
+    >>> sorted(function_names(property(lambda self: self._model)))
+    ['_model']
+  """
+  if isinstance(value, property):
+    value = value.fget
+  elif isinstance(value, (staticmethod, classmethod)):
+    value = value.__func__
+  names = frozenset()
+  while isinstance(value, types.FunctionType):
+    names |= code_names(value.__code__)
+    value = getattr(value, "__wrapped__", None)
+  return names
+
+
+@functools.lru_cache(maxsize=1024)
+def method_names(cls: type) -> dict:
+  """`{name: names its code reads}` of the methods and properties of `cls` and its bases.
+
+  Example:
+    >>> class Trainer:
+    ...   def compute_loss(self, x):
+    ...     return self.model(x)
+    >>> sorted(method_names(Trainer)["compute_loss"])
+    ['model']
+  """
+  methods = {}
+  for klass in reversed(cls.__mro__):
+    for name, value in vars(klass).items():
+      names = function_names(value)
+      if names:
+        methods[name] = names
+  return methods

@@ -1,0 +1,382 @@
+"""Where a bridged callable's captured modules and tensors are: its roots, the objects under them.
+
+The roots of a callable are what it reads besides its arguments: its closure cells, the globals its
+code names, `self` (of a bound method, a module or a callable object) and `self`'s attributes, and
+the arguments a `functools.partial` binds (nested partials flattened). Under a root the walk follows
+plain Python objects (the attributes whose names the code can read: its own names, and those of
+the methods and properties it reaches), dicts, lists and tuples, `DEPTH` steps deep, to the modules
+and tensors they hold; objects of torch's, JAX's and NumPy's classes (optimizers, data loaders)
+and modules are not entered. A place is a path: a root key, then `(ATTR, name)` / `(ITEM, key)`
+steps.
+
+A walk is kept per function object: each call re-reads only the entries it read (a container's
+keys, and each entry's kind: a tensor, a plain value, or which object) and walks again when one
+differs, so a tensor replaced on an attribute is read where it is now, and one that appears where
+a plain value was is found.
+"""
+import argparse
+import collections
+import functools
+import sys
+import types
+import weakref
+
+import torch
+
+from torch_xla_jaxbridge._bridge import code_names
+
+CELL, GLOBAL, SELF, PARG, PKW = "cell", "global", "self", "partial arg", "partial keyword"  # roots
+ATTR, ITEM, BOUND = "attr", "item", "bound"  # steps: an attribute, an item, a method's `self`
+DEPTH = 4  # steps below a root the walk follows
+WIDTH = 64  # entries of a dict, list or tuple it reads (a larger one is not entered)
+_LIBRARIES = {"torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy", "torch_xla_jaxbridge",
+              "builtins", *sys.stdlib_module_names}
+_NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+_NOT_ENTERED = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                types.ModuleType, functools.partial, torch.nn.Module, torch.Tensor)
+_TENSOR, _ATOM, _MISSING = object(), object(), object()  # an entry's kind, where not its identity
+_ROOTS, _OBJECT, _DICT, _SEQUENCE, _METHOD = range(5)  # what a record read
+
+
+def split(fn):
+  """`(function whose closure and globals are read, self or None)` of a callable.
+
+  Example:
+    >>> split(torch.nn.Linear(1, 1).forward)[0].__name__
+    'forward'
+  """
+  if isinstance(fn, types.FunctionType):
+    return fn, None
+  if isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
+    return fn.__func__, fn.__self__
+  if isinstance(fn, torch.nn.Module):
+    return None, fn
+  call = getattr(type(fn), "__call__", None)
+  if isinstance(call, types.FunctionType) and hasattr(fn, "__dict__"):
+    return call, fn
+  return None, None  # builtins: nothing is read
+
+
+class Target:
+  """A callable taken apart: the arguments its `functools.partial` layers bind (`pargs`, `pkw`),
+  the callable under them (`call`), and `split(call)`.
+
+  Example:
+    >>> t = Target(functools.partial(functools.partial(max, 1), 2))
+    >>> t.call is max, t.pargs
+    (True, (1, 2))
+  """
+  __slots__ = ("call", "pargs", "pkw", "function", "owner")
+
+  def __init__(self, fn):
+    if type(fn) is types.FunctionType:  # the common case, first
+      self.call = self.function = fn
+      self.pargs, self.pkw, self.owner = (), {}, None
+      return
+    pargs, pkw = (), {}
+    while isinstance(fn, functools.partial):
+      pargs, pkw = fn.args + pargs, {**fn.keywords, **pkw}
+      fn = fn.func
+    self.call, self.pargs, self.pkw = fn, pargs, pkw
+    self.function, self.owner = split(fn)
+
+  def roots(self):
+    """`(key, name)` of every root, in walk order."""
+    found = []
+    if self.function is not None:
+      code = self.function.__code__
+      found += [((CELL, i), name) for i, name in
+                enumerate(code.co_freevars[:len(self.function.__closure__ or ())])]
+      found += [((GLOBAL, name), name) for name in sorted(code_names.global_names(code))]
+    if self.owner is not None:
+      found.append(((SELF,), "self"))
+    found += [((PARG, i), f"partial.args[{i}]") for i in range(len(self.pargs))]
+    return found + [((PKW, k), f"partial.keywords[{k!r}]") for k in self.pkw]
+
+  def root(self, key):
+    """The value at a root now (`_MISSING` for an empty cell or an unset global)."""
+    kind = key[0]
+    if kind == CELL:
+      try:
+        return self.function.__closure__[key[1]].cell_contents
+      except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+        return _MISSING
+    if kind == GLOBAL:
+      return self.function.__globals__.get(key[1], _MISSING)
+    if kind == SELF:
+      return self.owner
+    return self.pargs[key[1]] if kind == PARG else self.pkw[key[1]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_class(cls):
+  """Whether `cls` or a base comes from Python itself or from torch, JAX, NumPy or this package:
+  its objects (loggers, locks, optimizers, data loaders) hold no model the code reads there."""
+  return any((getattr(k, "__module__", None) or "").split(".")[0] in _LIBRARIES
+             for k in cls.__mro__[:-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _enterable_class(cls):
+  """Whether the walk reads the attributes of objects of class `cls`: a namespace, or a class of
+  the user's or of another library (a transformers Trainer, a dataclass)."""
+  return issubclass(cls, _NAMESPACES) or not (issubclass(cls, _NOT_ENTERED) or _library_class(cls))
+
+
+def _liftable(value):
+  return isinstance(value, (torch.Tensor, torch.nn.Module))
+
+
+def _mark(value):
+  """What a re-validation compares an entry by: tensors and plain values by kind (a tensor
+  replaced by another is read where it is), everything else by `id` (a walk holds no object: a
+  containing object's type and keys are checked where it is read, so a reused `id` still finds
+  the same places)."""
+  if isinstance(value, torch.Tensor):
+    return _TENSOR
+  return _ATOM if type(value) in _ATOMS else id(value)
+
+
+def step_name(step: tuple) -> str:
+  """How a step reads in a path's name: `.model`, `['student']`, `[0]`, `.__self__`.
+
+  Example:
+    >>> step_name((ATTR, "model")) + step_name((ITEM, "a")) + step_name((ITEM, 0))
+    ".model['a'][0]"
+  """
+  return f"[{step[1]!r}]" if step[0] == ITEM else f".{step[1]}"
+
+
+def _kind(value):
+  """How the walk enters `value` (`_OBJECT`, `_DICT`, `_SEQUENCE`), or None."""
+  cls = type(value)
+  if cls in _DICTS:
+    return _DICT
+  if cls is types.MethodType and not isinstance(value.__self__, (torch.Tensor, tuple)):
+    return _METHOD  # a bound method held in a variable: its `self`
+  if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(cls, "_fields")):
+    return _SEQUENCE
+  if isinstance(getattr(value, "__dict__", None), dict) and _enterable_class(cls):
+    return _OBJECT
+  return None
+
+
+class Walk:
+  """One walk from a callable's roots (see the module docstring), breadth first (a module found at
+  two places is lifted at the nearer): `places` holds `(where, name)` of each module and tensor,
+  `notes` the places where it stopped that may hold one, and `records` what it read, which
+  `values` reads again.
+
+  Example:
+    >>> import types
+    >>> holder = types.SimpleNamespace(w=torch.ones(1), n=3)
+    >>> walk = Walk(Target(lambda: holder.w))
+    >>> walk.places
+    [((('global', 'holder'), ('attr', 'w')), 'holder.w')]
+  """
+
+  def __init__(self, target):
+    self.names = set()
+    if target.function is not None:
+      self.names |= code_names.code_names(target.function.__code__)
+    for _ in range(4):  # the names grow with the methods the walk reaches: until they settle
+      size = len(self.names)
+      self._walk(target)
+      if len(self.names) == size:
+        break
+    self.places = [(where, name) for where, name, _ in self.found]
+    self.positions = [at for _, _, at in self.found]
+
+  def _walk(self, target):
+    self.records, self.found, self.notes, self._seen = [], [], [], set()
+    roots = target.roots()
+    values = [target.root(key) for key, _ in roots]
+    self._record(None, _ROOTS, [key for key, _ in roots], None, values)
+    queue = collections.deque()  # (value, where, name, at, depth): breadth first
+    for i, ((key, name), value) in enumerate(zip(roots, values)):
+      if isinstance(value, types.FunctionType) and key[0] != SELF:  # a helper it calls
+        self.names |= code_names.code_names(value.__code__)
+      queue.append((value, (key,), name, (0, i), -1 if key[0] == SELF else 0))
+    while queue:
+      self._visit(queue, *queue.popleft())
+    del self._seen
+
+  def _visit(self, queue, value, where, name, at, depth):
+    if isinstance(value, torch.Tensor):
+      self.found.append((where, name, at))
+    elif isinstance(value, torch.nn.Module):
+      if id(value) not in self._seen:  # a module at two places: lifted once, at the first
+        self._seen.add(id(value))
+        self.found.append((where, name, at))
+      if depth < 0:  # `self`, a module: its tensors and modules (not in its parameter tables)
+        self._enter(queue, value, _OBJECT, where, name, at, depth)
+    elif type(value) not in _ATOMS and value is not _MISSING:
+      kind = _OBJECT if depth < 0 and hasattr(value, "__dict__") else _kind(value)
+      if kind is None:
+        if not (callable(value) or hasattr(value, "__dict__") or _library_class(type(value))):
+          self.notes.append(f"`{name}` (of type {type(value).__name__}: no `__dict__`, so its "
+                            f"attributes cannot be read)")
+      elif id(value) not in self._seen:
+        self._seen.add(id(value))
+        self._enter(queue, value, kind, where, name, at, depth)
+
+  def _enter(self, queue, value, kind, where, name, at, depth):
+    what = f"`{name}` (of type {type(value).__name__}"
+    if depth >= DEPTH:
+      self.notes.append(f"{what}: deeper than the {DEPTH} levels searched)")
+      return
+    if kind == _OBJECT:
+      self._follow(type(value))
+      table = vars(value)
+      keys = sorted((k for k in table if k in self.names or depth < 0 and _liftable(table[k])),
+                    key=str)
+      shape, values = (type(value), tuple(table)), [table[k] for k in keys]
+    elif kind == _METHOD:
+      self.names |= code_names.function_names(value.__func__)
+      keys, shape, values = ("__self__",), None, [value.__self__]
+    elif len(value) > WIDTH:
+      self.notes.append(f"{what}, {len(value)} entries: more than the {WIDTH} read)")
+      return
+    elif kind == _DICT:
+      keys, shape, values = list(value), tuple(value), list(value.values())
+    else:
+      keys, shape, values = range(len(value)), len(value), list(value)
+    record = self._record(at, kind, keys, shape, values)
+    module = isinstance(value, torch.nn.Module)
+    for j, (key, item) in enumerate(zip(keys, values)):
+      if module and not _liftable(item):
+        continue
+      step = (ATTR, key) if kind == _OBJECT else (BOUND, key) if kind == _METHOD else (ITEM, key)
+      queue.append((item, where + (step,), name + step_name(step), (record, j), depth + 1))
+
+  def _follow(self, cls):
+    """Adds the names read by the methods and properties of `cls` that the code names (and its
+    `__call__`): `trainer.compute_loss(batch)` reads `self.model` there."""
+    for method, names in code_names.method_names(cls).items():
+      if method in self.names or method == "__call__":
+        self.names |= names
+
+  def _record(self, at, kind, keys, shape, values):
+    # the entries' ids and types: what `values` compares first (in C); their marks where not equal
+    self.records.append([at, kind, tuple(keys), shape, tuple(map(_mark, values)),
+                         tuple(map(id, values)), tuple(map(type, values))])
+    return len(self.records) - 1
+
+  def values(self, target):
+    """The values at the found places now, or None where an entry it read is not what it was
+    (then the callable must be walked again)."""
+    read = []
+    for record in self.records:
+      at, kind, keys, shape, marks, ids, types_ = record
+      if kind == _ROOTS:
+        now = list(map(target.root, keys))
+      else:
+        now = _reread(read[at[0]][at[1]], kind, keys, shape)
+        if now is None:
+          return None
+      now_ids, now_types = tuple(map(id, now)), tuple(map(type, now))
+      if now_ids != ids or now_types != types_:  # the same id and type: the same kind of entry
+        if marks != tuple(map(_mark, now)):
+          return None
+        record[5:] = now_ids, now_types
+      read.append(now)
+    return [read[r][j] for r, j in self.positions]
+
+
+def _reread(container, kind, keys, shape):
+  """The entries `keys` of a container a walk entered, or None where its type or keys changed."""
+  if kind == _OBJECT:
+    table = getattr(container, "__dict__", None)
+    if type(container) is not shape[0] or not isinstance(table, dict) or tuple(table) != shape[1]:
+      return None
+    return [table[key] for key in keys]
+  if kind == _DICT:
+    if type(container) not in _DICTS or tuple(container) != shape:
+      return None
+    return list(container.values())
+  if kind == _METHOD:
+    return [container.__self__] if type(container) is types.MethodType else None
+  if not isinstance(container, (list, tuple)) or len(container) != shape:
+    return None
+  return list(container)
+
+
+_WALKS = {}  # id(callable) -> (weak reference to it, its Walk)
+walks = 0  # how many walks were made (a kept walk that holds is not walked again)
+
+
+def _walk_of(fn, target):
+  """`(walk, values)` for `fn`: its kept walk where that still holds, else a new one (kept while
+  `fn` lives, where `fn` can be referenced weakly)."""
+  entry = _WALKS.get(id(fn))
+  if entry is not None and entry[0]() is fn:
+    values = entry[1].values(target)
+    if values is not None:
+      return entry[1], values
+  global walks
+  walks += 1
+  walk = Walk(target)
+  try:
+    _WALKS[id(fn)] = (weakref.ref(fn, lambda _, key=id(fn): _WALKS.pop(key, None)), walk)
+  except TypeError:  # not weakly referenceable: walked at every call
+    pass
+  return walk, walk.values(target)
+
+
+def find(fn: object) -> tuple:
+  """`(places, values)`: `(where, name)` of every module and tensor `fn` can reach from its roots,
+  and the value at each, now.
+
+  Example:
+    >>> import types
+    >>> cfg = types.SimpleNamespace(scale=torch.ones(1), layers=[torch.nn.Linear(1, 1)])
+    >>> places, _ = find(lambda x: cfg.layers[0](x) * cfg.scale)
+    >>> [name for _, name in places]  # breadth first
+    ['cfg.scale', 'cfg.layers[0]']
+  """
+  target = Target(fn)
+  walk, values = _walk_of(fn, target)
+  if values is None:  # read differently twice in a row (a property-like __dict__): walk again
+    walk = Walk(target)
+    values = walk.values(target) or ()
+  return walk.places, values
+
+
+def notes(fn: object) -> list:
+  """Where the walk from `fn`'s roots stopped at something that may hold a module or tensor: an
+  object without `__dict__`, one too deep, a container too large.
+
+  Example:
+    >>> notes(lambda: [0] * 100)
+    []
+  """
+  target = Target(fn)
+  return _walk_of(fn, target)[0].notes
+
+
+def read(fn: object, where: tuple) -> object:
+  """The value at the place `where` of `fn` (a root key, then steps), now.
+
+  Example:
+    >>> import types
+    >>> cfg = types.SimpleNamespace(w=torch.ones(1))
+    >>> f = lambda: cfg.w
+    >>> read(f, find(f)[0][0][0]) is cfg.w
+    True
+  """
+  return follow(Target(fn).root(where[0]), where[1:])
+
+
+def follow(value: object, steps: tuple) -> object:
+  """The value `steps` (`(ATTR, name)`, `(ITEM, key)`, `(BOUND, "__self__")`) lead to from
+  `value`.
+
+  Example:
+    >>> follow({"a": [5]}, ((ITEM, "a"), (ITEM, 0)))
+    5
+  """
+  for kind, key in steps:
+    value = vars(value)[key] if kind == ATTR else value[key] if kind == ITEM else value.__self__
+  return value

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Union
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import captures, fallback
+from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
 from torch_xla_jaxbridge._core import modules
@@ -96,23 +96,48 @@ class ModuleBridge:
     self.settings = settings
     self.state = modules.StateWalk(module)
     self.bridged = bridged = shared_bridged(module, settings.remat, settings.hooks)
-    # no reference back to self: a bridge whose module is gone is freed at once, not by a later
-    # garbage collection (it is held by `_BRIDGES` only, so no cycle may hold it)
-    self.outcome = fallback.Outcome(settings.name, "module", lambda: bridged.traces)
+    self.checkpointed = None  # under Hugging Face gradient checkpointing, made when first used
+    # the bridged functions whose traces the report counts; no reference back to self: a bridge
+    # whose module is gone is freed at once (it is held by `_BRIDGES` only, so no cycle may
+    # hold it)
+    self.traced = traced = [bridged]
+    self.outcome = fallback.Outcome(settings.name, "module",
+                                    lambda: sum(b.traces for b in traced))
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self.call(args, kwargs, hf_checkpointing.requested(self.module()))
+
+  def call(self, args: tuple, kwargs: dict, checkpointed: bool) -> Any:
+    """The forward on `args`, `kwargs`; `checkpointed`: under Hugging Face gradient
+    checkpointing (the bridged call recomputes the module: `hf_checkpointing.remat_for`).
+
+    Example:
+      >>> layer = torch.nn.Linear(2, 2).to("xla")
+      >>> bridge = ModuleBridge(layer, Settings("layer"))
+      >>> bridge.call((torch.ones(1, 2, device="xla"),), {}, checkpointed=True).shape
+      torch.Size([1, 2])
+    """
     module = self.module()
     if not self.outcome.fell_back:
+      bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
       try:
-        return self.bridged.fn.run_for(module, self.bridged, params, buffers, training, args,
-                                       kwargs)
+        return bridged.fn.run_for(module, bridged, params, buffers, training, args, kwargs)
       except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
         if _any_traced((args, kwargs)):  # inside bridged code: errors belong to the caller
           raise
         self.outcome.fall_back(e, self.settings.fallback)
     with submodules_bridged(module, self.settings):
       return type(module).forward(module, *args, **kwargs)
+
+  def _bridged(self, module, checkpointed):
+    remat = hf_checkpointing.remat_for(self.settings.remat, checkpointed)
+    if remat == self.settings.remat:
+      return self.bridged
+    if self.checkpointed is None:
+      self.checkpointed = shared_bridged(module, remat, self.settings.hooks)
+      self.traced.append(self.checkpointed)
+    return self.checkpointed
 
 
 def bridge_of(module: torch.nn.Module, settings: Settings) -> ModuleBridge:
@@ -179,11 +204,13 @@ class bridged_while:  # noqa: N801  (a context manager, used as a function)
   def __enter__(self):
     for module, settings in self.pairs:
       module.forward = modules.BridgedForward(bridged_forward, module, settings)
+      hf_checkpointing.take_over(module)
     return self
 
   def __exit__(self, *exc):
     for module, _ in self.pairs:
       vars(module).pop("forward", None)
+      hf_checkpointing.give_back(module)
     return False
 
 
@@ -244,12 +271,17 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[Union[str, type]], 
         f"['LlamaDecoderLayer'].")
   names = {c if isinstance(c, str) else c.__name__ for c in wanted}
   remat_policies.policy_for(remat)  # validates `remat`
-  found = []
+  found, layers = [], []
   for path, module in model.named_modules():
     if type(module).__name__ in names and "forward" not in vars(module):
       settings = Settings(path or type(module).__name__, remat, fallback)
       module.forward = modules.BridgedForward(bridged_forward, module, settings)
       found.append(path)
+      if hf_checkpointing.is_checkpointing_layer(module):
+        hf_checkpointing.take_over(module)
+        layers.append(module)
+  if layers:  # `gradient_checkpointing_enable()` may come later
+    model.register_forward_pre_hook(hf_checkpointing.Reclaim(layers))
   if not found:
     present = sorted({type(m).__name__ for m in model.modules()})
     raise errors.BadArgumentError(

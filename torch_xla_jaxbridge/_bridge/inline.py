@@ -9,9 +9,8 @@ import contextlib
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import vjp
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import call, runtime, tracing
+from torch_xla_jaxbridge._core import call, recompute, runtime, tracing
 
 
 def run_inline(bridged, args, kwargs, seed=None):
@@ -54,8 +53,8 @@ def run_inline(bridged, args, kwargs, seed=None):
     return tracing.to_jax(outputs), [wrapped[i].jax() for i in found["mutated"]]
 
   checkpointed = jax.checkpoint(run, policy=bridged.policy)
-  if getattr(vjp.DIFFERENTIATED, "on", False):  # its backward: in a conditional, as a node's
-    checkpointed = vjp.sequenced(checkpointed)
+  if recompute.is_differentiated():  # its backward: in a conditional, as a node's
+    checkpointed = recompute.sequenced(checkpointed)
   outputs, mutated = checkpointed(*[t.jax() for t in tensors])
   for i, value in zip(found["mutated"], tracing.to_torchax(mutated)):
     tensors[i].copy_(value)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import auto
+from torch_xla_jaxbridge._bridge import auto, hf_checkpointing
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private
 
@@ -44,6 +44,7 @@ class BridgeModule(torch.nn.Module):
     object.__setattr__(self, "_settings", auto.Settings(type(module).__name__, remat, fallback,
                                                           hooks=True))
     auto.bridge_of(module, self._settings)  # its report row from now on
+    hf_checkpointing.take_over(module)  # enabled before wrapping: the bridge recomputes it
 
   @property
   def wrapped(self) -> torch.nn.Module:
@@ -51,7 +52,9 @@ class BridgeModule(torch.nn.Module):
     return self._wrapped
 
   def forward(self, *args: Any, **kwargs: Any) -> Any:
-    return auto.bridge_of(self._wrapped, self._settings)(*args, **kwargs)
+    # `gradient_checkpointing_enable()` after wrapping sets its flags on this module
+    checkpointed = hf_checkpointing.requested(self._wrapped, flags=self)
+    return auto.bridge_of(self._wrapped, self._settings).call(args, kwargs, checkpointed)
 
   def train(self, mode=True):
     self._wrapped.train(mode)

@@ -5,18 +5,13 @@ the backward half on them as a second node. With a remat policy, the recomputati
 conditional XLA cannot fold, so it happens once the cotangents exist and is not merged with the
 forward it repeats.
 """
-import contextlib
-import threading
-
 import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.spec import Residuals
 from torch_xla_jaxbridge._compat import jax_private
-from torch_xla_jaxbridge._core import call, dtypes, runtime, sharding
-
-DIFFERENTIATED = threading.local()  # .on: the function being traced is under jax.vjp / grad
+from torch_xla_jaxbridge._core import call, dtypes, recompute, runtime, sharding
 
 
 def forward_half(run, policy, diff):
@@ -26,7 +21,7 @@ def forward_half(run, policy, diff):
   jax = runtime.jax_module()
   if policy is not None:
     run = jax.checkpoint(run, policy=policy)
-  with differentiated():
+  with recompute.differentiated():
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
   vjp_fn = jax_private.vjp_without_known_values(vjp_fn)  # no traced value in its tree
   residuals, tree = jax.tree.flatten(vjp_fn)
@@ -57,65 +52,8 @@ def backward_half(saved, inputs, cotangents):
   vjp = lambda r, c: kept.tree.unflatten(r)(c)  # noqa: E731
   cotangents = list(cotangents)
   if kept.sequenced and any(c.size for c in cotangents):
-    return _in_conditional(vjp, residuals, cotangents)
+    return recompute.in_conditional(vjp, residuals, cotangents)
   return vjp(residuals, cotangents)
-
-
-@contextlib.contextmanager
-def differentiated():
-  """While tracing in the block, bridged calls inside the traced code know that it is being
-  differentiated: a remat policy's backward then goes in a conditional (`sequenced`)."""
-  before = getattr(DIFFERENTIATED, "on", False)
-  DIFFERENTIATED.on = True
-  try:
-    yield
-  finally:
-    DIFFERENTIATED.on = before
-
-
-def sequenced(fn):
-  """`fn` (a `jax.checkpoint`ed function) whose backward runs in `_in_conditional`: inside one
-  enclosing trace (a bridged call in bridged code, `jb.train_step`) XLA would otherwise merge the
-  policy's recomputation with the forward, as it does across two nodes."""
-  jax = runtime.jax_module()
-
-  @jax.custom_vjp
-  def call(*arrays):
-    return fn(*arrays)
-
-  def forward(*arrays):
-    return jax.vjp(fn, *arrays)
-
-  def backward(vjp, cotangent):
-    leaves, tree = jax.tree.flatten(vjp)
-    cts, ct_tree = jax.tree.flatten(cotangent)
-    inexact = [i for i, c in enumerate(cts) if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact)]
-
-    def run(r, c):  # the float0 cotangents of integer outputs stay outside the conditional
-      full = list(cts)
-      for i, value in zip(inexact, c):
-        full[i] = value
-      return tree.unflatten(r)(ct_tree.unflatten(full))
-
-    floats = [cts[i] for i in inexact]
-    if not any(c.size for c in floats):
-      return run(leaves, floats)
-    return _in_conditional(run, leaves, floats)
-
-  call.defvjp(forward, backward)
-  return call
-
-
-def _in_conditional(vjp, residuals, cotangents):
-  """`vjp(residuals, cotangents)` inside a conditional XLA cannot fold. The step is one program: in
-  line, XLA merges a remat policy's recomputation with the forward it repeats (or runs it early)
-  and keeps its values, so the policy saved nothing; a conditional's branch is its own
-  computation, run only once the cotangents exist, its values freed when it returns."""
-  jax = runtime.jax_module()
-  first = jax.numpy.real(next(c for c in cotangents if c.size).ravel()[0])
-  always = ~((first < 0) & (first >= 0))  # true for every value, NaN included
-  nothing = lambda r, c: jax.tree.map(jax.numpy.zeros_like, jax.eval_shape(vjp, r, c))  # noqa
-  return jax.lax.cond(always, vjp, nothing, residuals, cotangents)
 
 
 class VjpFunction(torch.autograd.Function):

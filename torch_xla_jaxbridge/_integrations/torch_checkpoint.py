@@ -8,8 +8,8 @@ own checkpoint. torch_xla's `torch_xla.utils.checkpoint.checkpoint` (and FSDP's
 `checkpoint_module`, which calls it) does the same inside a trace, through a rule for its
 autograd Function.
 """
-from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import patching, runtime, tracing
+from torch_xla_jaxbridge._compat import torch_private, torchax_private
+from torch_xla_jaxbridge._core import patching, recompute, runtime, tracing
 from torch_xla_jaxbridge._integrations import autograd_function
 
 
@@ -28,15 +28,30 @@ def _checkpoint_hook(function, *args, use_reentrant=None, context_fn=None,
 
 
 def _recomputed(function, args, kwargs):
-  """`function(*args, **kwargs)` on traced tensors, recomputed in the backward (`jax.checkpoint`)."""
+  """`function(*args, **kwargs)` on traced tensors, recomputed in the backward (`jax.checkpoint`;
+  when the enclosing trace is differentiated, in a conditional, or XLA merges the recomputation
+  with the forward and keeps its values: `recompute.sequenced`). Its random numbers (dropout)
+  start from the enclosing code's key, the same in the forward and the recomputation."""
   jax = runtime.jax_module()
   tensors, rebuild = tracing.traced_arrays((args, kwargs))
+  env = tracing.environment()
+  outer_key = torchax_private.current_key(env)
+  drew = []
 
   def recomputed(*arrays):
     (call_args, call_kwargs), _ = rebuild(arrays)
-    return tracing.to_jax(function(*call_args, **call_kwargs))
+    with env.override_property(prng=outer_key):  # the key never leaves this trace
+      out = tracing.to_jax(function(*call_args, **call_kwargs))
+      drew.append(torchax_private.current_key(env) is not outer_key)
+    return out
 
-  out = jax.checkpoint(recomputed)(*[t.jax() for t in tensors])
+  arrays = [t.jax() for t in tensors]
+  if recompute.is_differentiated():  # its parameters and the arguments it closes over, too
+    out = recompute.sequenced_call(jax.checkpoint(recomputed), *arrays)
+  else:
+    out = jax.checkpoint(recomputed)(*arrays)
+  if drew and drew[-1]:
+    env.get_and_rotate_prng_key()  # later draws of the enclosing code differ from these
   return tracing.to_torchax(out)
 
 

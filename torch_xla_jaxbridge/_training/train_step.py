@@ -11,10 +11,10 @@ from typing import Any, Callable
 import torch
 
 from torch_xla_jaxbridge import errors, optim
-from torch_xla_jaxbridge._bridge import auto, bridging, captures, spec, vjp
+from torch_xla_jaxbridge._bridge import auto, bridging, captures, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._core import call, runtime, sharding
+from torch_xla_jaxbridge._core import call, recompute, runtime, sharding
 
 
 class TrainStep:
@@ -137,7 +137,7 @@ class TrainStep:
 
     if self.bridged.policy is not None:
       loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
-    with vjp.differentiated():
+    with recompute.differentiated():
       (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
                                               has_aux=True)(*diff)
     params = [diff[i] for i in positions]

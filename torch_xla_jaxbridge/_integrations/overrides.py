@@ -1,7 +1,8 @@
 """Ops whose torchax conversion is replaced inside bridged code.
 
-The package's own, always on: `F.linear` (for the form of its weight gradient) and batch norm (for
-its running statistics), registered with `tracing` on import. The user's: `register_lowering`
+The package's own, always on: `F.linear` (for the form of its weight gradient) and
+`F.scaled_dot_product_attention` (torch's values for fully masked rows), registered with `tracing`
+on import (batch norm has its own module, `batch_norm`). The user's: `register_lowering`
 gives a torch op or function a JAX implementation for good (a custom op's lowering), and
 `override_ops` one while bridged code in a `with` block is traced (the block's win). Both are
 trace keys, so a trace is never reused under other lowerings.
@@ -16,7 +17,6 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import runtime, threads, tracing
 
 _SCOPES = threading.local()  # .active: the overrides in force on this thread (an `Active`)
@@ -258,36 +258,6 @@ def _fold(x):
   return folded
 
 
-def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
-  """Batch norm that updates the running statistics in place, as torch does (torchax's drops
-  the update), with the unbiased batch variance for `running_var`.
-
-  Example:
-    >>> from torch_xla_jaxbridge import BridgeModule
-    >>> bn = BridgeModule(torch.nn.BatchNorm1d(2).to("xla"))
-    >>> _ = bn(torch.tensor([[0.0, 1.0], [2.0, 3.0]], device="xla"))
-    >>> bn.running_mean.cpu().tolist()
-    [0.10000000149011612, 0.20000000298023224]
-  """
-  jax = runtime.jax_module()
-  import torchax.tensor
-
-  array = lambda t: None if t is None else t.jax()  # noqa: E731
-  x = array(input)
-  out, mean, rstd = torchax_private.batch_norm_forward(
-      x, array(weight), array(bias), array(running_mean), array(running_var), training, momentum,
-      eps)
-  if training and running_mean is not None:
-    axes = [0] + list(range(2, x.ndim))
-    count = x.size // x.shape[1]
-    unbiased = jax.numpy.var(x, axis=axes) * count / max(count - 1, 1)
-    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
-      torchax_private.set_array(stat, ((1 - momentum) * stat.jax() + momentum * batch).astype(
-          stat.jax().dtype))
-  env = tracing.environment()
-  return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
   """`F.scaled_dot_product_attention` in its math form, as torch computes it: a query whose
@@ -329,8 +299,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
   return out if dead is None else torch.where(dead, 0.0, out)
 
 
-for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
-  tracing.register_op_override(_op, batch_norm)
 tracing.register_op_override(torch.nn.functional.linear, linear)
 tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,
                              scaled_dot_product_attention)

@@ -115,19 +115,6 @@ def current_key(env: Any) -> Any:
   return env.param.prng
 
 
-def batch_norm_forward(*args: Any) -> tuple:
-  """torchax's batch norm kernel on arrays: `(out, mean, rstd)`. The package reuses it and adds
-  the running-statistics update torchax drops.
-
-  Example:
-    >>> callable(batch_norm_forward)
-    True
-  """
-  from torchax.ops import jaten
-
-  return jaten._aten__native_batch_norm_legit(*args)
-
-
 def register_higher_order_rule(operator: Any, rule: Callable) -> None:
   """Makes torch's higher-order `operator` (cond, while_loop) run `rule(mode, ...)` under
   torchax's dispatch mode. torch's `py_impl` is the registration torch's own modes use.

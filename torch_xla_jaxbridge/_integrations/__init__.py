@@ -3,7 +3,8 @@
 Each module adds an op override, a trace context or a trace key; nothing else imports them for
 their side effects.
 """
-from torch_xla_jaxbridge._integrations import (autocast, autograd_function, control_flow,  # noqa: F401
-                                               custom_ops, hf_models, overrides, spmd,
-                                               torch_checkpoint, torch_ops, torch_xla_kernels,
+from torch_xla_jaxbridge._integrations import (autocast, autograd_function, batch_norm,  # noqa: F401
+                                               control_flow, custom_ops, hf_models, overrides,
+                                               spmd, torch_checkpoint, torch_ops,
+                                               torch_xla_kernels,
                                                trace_signals)

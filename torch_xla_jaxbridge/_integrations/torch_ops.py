@@ -1,16 +1,15 @@
 """The package's own conversions of torch ops inside bridged code, where torchax's differ from torch.
 
 Always on, registered with `tracing` on import: `F.linear` (for the form of its weight
-gradient), batch norm (for its running statistics), `linalg_vector_norm` and `frobenius_norm`
-(torch's meaning of an empty `dim`; torchax lacks the second) and
-`F.scaled_dot_product_attention` (torch's math form, every argument).
+gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
+lacks the second) and `F.scaled_dot_product_attention` (torch's math form, every argument).
+Batch norm has its own module (`batch_norm`).
 """
 import math
 import weakref
 
 import torch
 
-from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 
@@ -71,36 +70,6 @@ def _fold(x):
   except TypeError:  # a concrete array: nothing to share
     pass
   return folded
-
-
-def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
-  """Batch norm that updates the running statistics in place, as torch does (torchax's drops
-  the update), with the unbiased batch variance for `running_var`.
-
-  Example:
-    >>> from torch_xla_jaxbridge import BridgeModule
-    >>> bn = BridgeModule(torch.nn.BatchNorm1d(2).to("xla"))
-    >>> _ = bn(torch.tensor([[0.0, 1.0], [2.0, 3.0]], device="xla"))
-    >>> bn.running_mean.cpu().tolist()
-    [0.10000000149011612, 0.20000000298023224]
-  """
-  jax = runtime.jax_module()
-  import torchax.tensor
-
-  array = lambda t: None if t is None else t.jax()  # noqa: E731
-  x = array(input)
-  out, mean, rstd = torchax_private.batch_norm_forward(
-      x, array(weight), array(bias), array(running_mean), array(running_var), training, momentum,
-      eps)
-  if training and running_mean is not None:
-    axes = [0] + list(range(2, x.ndim))
-    count = x.size // x.shape[1]
-    unbiased = jax.numpy.var(x, axis=axes) * count / max(count - 1, 1)
-    for stat, batch in ((running_mean, mean), (running_var, unbiased)):
-      torchax_private.set_array(stat, ((1 - momentum) * stat.jax() + momentum * batch).astype(
-          stat.jax().dtype))
-  env = tracing.environment()
-  return tuple(torchax.tensor.Tensor(a, env) for a in (out, mean, rstd))
 
 
 def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -213,8 +182,6 @@ def _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_g
         f"value must divide the number of heads in query.")
 
 
-for _op in (torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.native_batch_norm):
-  tracing.register_op_override(_op, batch_norm)
 tracing.register_op_override(torch.nn.functional.linear, linear)
 tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
 tracing.register_op_override(torch.ops.aten.frobenius_norm.dim, frobenius_norm)

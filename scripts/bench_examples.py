@@ -289,8 +289,13 @@ def main():
           r = runs[-1]
           print(f"round {round_}: {example} {mode}: first {r['first_ms'] / 1e3:.2f} s, steady "
                 f"{r['steady_ms']:.0f} ms", flush=True)
+          write(opts, runs, None)  # after each run: an interrupted run keeps what it measured
   rows = summarize(runs)
   show(rows, opts)
+  write(opts, runs, rows)
+
+
+def write(opts, runs, rows):
   os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
   with open(opts.json, "w") as f:
     json.dump({"config": {k: str(v) for k, v in vars(opts).items()}, "runs": runs, "rows": rows,

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stack-installed
 TORCHAX := $(shell sed -n 's/.*"\(torchax==[^"]*\)".*/\1/p' setup.py)
 export PJRT_DEVICE ?= CPU
 
-.PHONY: test train slow install
+.PHONY: test train slow install typecheck doctests
 
 install: $(STAMP)
 
@@ -20,18 +20,24 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torchax, torch_xla, jax; print('stack:', 'torchax', torchax.__version__, 'jax', jax.__version__)"
 	touch $@
 
-# the test suite and every docstring example of the package, in three processes: XLA:CPU keeps
-# every compiled program mapped, and one process compiling the whole suite ran past the kernel's
-# memory-map limit (vm.max_map_count 65530: "LLVM compilation error: Cannot allocate memory", then
-# a crash)
-TESTS_FIRST := $(sort $(wildcard test/test_[a-e]*.py))
-TESTS_SECOND := $(sort $(wildcard test/test_[f-o]*.py))
-TESTS_THIRD := $(sort $(wildcard test/test_[p-z]*.py))
+# mypy, the test suite and every docstring example of the package, as eight processes run two at
+# a time (one per core): XLA:CPU keeps compiled programs mapped, and one process compiling the
+# whole suite ran past the kernel's memory-map limit (vm.max_map_count 65530: "LLVM compilation
+# error: Cannot allocate memory", then a crash). Each group prints its output when it ends.
+TEST_GROUPS := a-b c-e f-h i-o p-r s t-z
 test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck doctests \
+		$(addprefix tests-,$(TEST_GROUPS))
+
+typecheck: $(STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q -m "not slow" $(TESTS_FIRST)
-	$(PY) -m pytest -q -m "not slow" $(TESTS_SECOND)
-	$(PY) -m pytest -q -m "not slow" $(TESTS_THIRD) --doctest-modules torch_xla_jaxbridge
+
+doctests: $(STAMP)
+	$(PY) -m pytest -q --doctest-modules torch_xla_jaxbridge
+
+# test files by their first letter: tests-a-b runs test/test_[a-b]*.py
+tests-%: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(sort $(wildcard test/test_[$*]*.py))
 
 slow: $(STAMP)
 	$(PY) -m pytest -q -m slow test

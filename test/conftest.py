@@ -8,6 +8,10 @@ import subprocess
 import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# torch_xla keeps up to 2048 compiled programs, and XLA:CPU maps each one's code: a process running
+# hundreds of tests ran past the kernel's memory-map limit (vm.max_map_count 65530) and crashed.
+# The tests reuse only the programs of their own test: 256 kept programs bound the maps.
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "256")
 
 import pytest  # noqa: E402
 import torch_xla_jaxbridge as jb  # noqa: E402

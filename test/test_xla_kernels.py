@@ -246,7 +246,8 @@ def test_torch_xla_quantized_matmul_int8_matches_lazytensor(dev):
   lazy = fn(*inputs).cpu()
   bridged = jb.bridge(fn, fallback=False)(*inputs).cpu()
   torch.testing.assert_close(bridged, lazy, rtol=0, atol=0)
-  torch.testing.assert_close(lazy, (x @ w.float().t()) * scale)
+  # XLA:CPU's float32 matmul sums in its own order: a few ulps from eager's
+  torch.testing.assert_close(lazy, (x @ w.float().t()) * scale, rtol=1e-5, atol=1e-5)
 
 
 def _ragged_inputs():

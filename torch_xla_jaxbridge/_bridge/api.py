@@ -15,10 +15,6 @@ class Fallback:
     self.bridged, self.enabled = bridged, enabled
     self.outcome = fallbacks.Outcome(bridged.name, "function", lambda: bridged.traces)
 
-  def __call__(self, exc: BaseException, args: tuple, kwargs: dict) -> Any:
-    self.outcome.fall_back(exc, self.enabled)
-    return self.run(args, kwargs)
-
   def run(self, args: tuple, kwargs: dict) -> Any:
     settings = auto.Settings(self.bridged.name, None, self.enabled)
     with auto.captured_bridged(self.bridged.fn, settings):

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Union
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing
+from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
 from torch_xla_jaxbridge._core import modules
@@ -121,14 +121,18 @@ class ModuleBridge:
     if not self.outcome.fell_back:
       bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
-      try:
-        return bridged.fn.run_for(module, bridged, params, buffers, training, args, kwargs)
-      except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
-        if _any_traced((args, kwargs)):  # inside bridged code: errors belong to the caller
-          raise
-        self.outcome.fall_back(e, self.settings.fallback)
+      ran, outputs = rollback.attempt(
+          lambda: bridged.fn.run_for(module, bridged, params, buffers, training, args, kwargs),
+          lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
+      if ran:
+        return outputs
     with submodules_bridged(module, self.settings):
       return type(module).forward(module, *args, **kwargs)
+
+  def _fall_back(self, exc, arguments):
+    if _any_traced(arguments):  # inside bridged code: errors belong to the caller
+      raise exc
+    self.outcome.fall_back(exc, self.settings.fallback)
 
   def _bridged(self, module, checkpointed):
     remat = hf_checkpointing.remat_for(self.settings.remat, checkpointed)

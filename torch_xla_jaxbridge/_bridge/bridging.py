@@ -11,7 +11,7 @@ import functools
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import captures, inline, stateful, vjp
+from torch_xla_jaxbridge._bridge import captures, inline, rollback, stateful, vjp
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge import spec as spec_
 from torch_xla_jaxbridge._bridge.spec import Layout, Static, register_static_pytree
@@ -38,7 +38,7 @@ class Bridged:
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
     self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
     self.traces = 0  # how many times the torch code was traced (outside enclosing traces)
-    # fallback(exc, args, kwargs): the call when the code cannot be bridged (api.Fallback);
+    # api.Fallback: its outcome, and the call when the code cannot be bridged;
     # None: the error propagates (to a caller that decides, e.g. auto.ModuleBridge)
     self.fallback = None
     functools.update_wrapper(self, fn, updated=())
@@ -56,10 +56,11 @@ class Bridged:
       return self._bridged_call(args, kwargs, seed)
     if self.fallback.outcome.fell_back:
       return self.fallback.run(args, kwargs)
-    try:
-      return self._bridged_call(args, kwargs, seed)
-    except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
-      return self.fallback(e, args, kwargs)
+    ran, outputs = rollback.attempt(lambda: self._bridged_call(args, kwargs, seed),
+                                    lambda: rollback.region_of(self.fn, args, kwargs),
+                                    lambda e: self.fallback.outcome.fall_back(
+                                        e, self.fallback.enabled))
+    return outputs if ran else self.fallback.run(args, kwargs)
 
   def _bridged_call(self, args, kwargs, seed):
     grad_on = torch.is_grad_enabled()
@@ -107,8 +108,9 @@ class Bridged:
       fn = stateful.functionalized(fn)
     self.traces += 1
     try:
-      outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
-                                                        fn_name=self.name)
+      with rollback.tracing():
+        outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
+                                                          fn_name=self.name)
     except errors.CapturedTensorError as e:  # completed with where the search for captures stopped
       more = captures.hint(self.fn) if self.lift else ""
       if not more:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from torch_xla_jaxbridge import errors, optim
-from torch_xla_jaxbridge._bridge import auto, bridging, captures, spec
+from torch_xla_jaxbridge._bridge import auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._core import call, recompute, runtime, sharding
@@ -41,10 +41,11 @@ class TrainStep:
 
   def _step_or_fall_back(self, args, kwargs):
     if not self.outcome.fell_back:
-      try:
-        return self._run(args, kwargs)
-      except Exception as e:  # noqa: BLE001  (only bridging errors fall back; others re-raise)
-        self.outcome.fall_back(e, self.fallback)
+      ran, loss = rollback.attempt(lambda: self._run(args, kwargs),
+                                   lambda: rollback.region_of(self.bridged.fn, args, kwargs),
+                                   lambda e: self.outcome.fall_back(e, self.fallback))
+      if ran:
+        return loss
     return self._plain_step(args, kwargs)
 
   def _plain_step(self, args, kwargs):
@@ -71,8 +72,7 @@ class TrainStep:
       raise errors.UsageError(
           f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "
           f"instead, or call the model and loss.backward() with optimizer.step().")
-    diff = prepared.diff
-    if not diff:
+    if not (diff := prepared.diff):
       raise errors.UsageError(
           f"train_step: none of the tensors {self.name} reads (its arguments, and what it "
           f"captures: {_captured(prepared.args)}) is a parameter of the optimizer."

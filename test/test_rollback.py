@@ -1,0 +1,183 @@
+"""A region that falls back leaves the host as plain torch_xla leaves it: the failed try's random
+draws, attribute writes, appends and counters are undone before the plain run, for each entry
+point (`bridge_modules`, `bridge`, `train_step`), against plain torch_xla with the same seeds."""
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_jaxbridge as jb
+
+CALLS = []  # what a forward appends to, a global of its module
+STEPS = 0  # what a forward counts in, a global of its module
+
+
+class Noisy(torch.nn.Module):
+  """Draws NumPy, Python and torch CPU random numbers, writes attributes, appends to its own
+  list and to a global one, then reaches a line that cannot be traced (a tensor's value steers
+  Python)."""
+
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(4, 4)
+    self.count, self.seen, self.last = 0, [], None
+
+  def forward(self, x):
+    global STEPS
+    mask = torch.tensor(np.random.rand(4) > 0.5, dtype=torch.float32).to(x.device)
+    coin = random.random() + torch.rand(()).item()
+    self.count += 1
+    self.seen.append(coin)
+    self.last = coin
+    CALLS.append(coin)
+    STEPS += 1
+    y = self.lin(x) * mask
+    if y.sum() > 0:  # data-dependent Python control flow: the region falls back
+      y = y * coin
+    return y
+
+
+def _seeded():
+  torch.manual_seed(0)
+  np.random.seed(0)
+  random.seed(0)
+  torch_xla.manual_seed(0)
+  CALLS.clear()
+  global STEPS
+  STEPS = 0
+
+
+def _host(model):
+  """What the host holds after the run: the module's attributes, the globals, the streams."""
+  return (model.count, list(model.seen), model.last, list(CALLS), STEPS, np.random.rand(),
+          random.random(), torch.rand(()).item())
+
+
+def _run(adopt, steps=2):
+  """`(outputs, host)` of `steps` calls of a seeded `Noisy` on the XLA device, adopted by
+  `adopt(model)` (which returns the callable to run)."""
+  _seeded()
+  model = Noisy().to("xla")
+  call = adopt(model)
+  x = torch.ones(2, 4, device="xla")
+  outputs = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    for _ in range(steps):
+      outputs.append(call(x).detach().cpu())
+  return outputs, _host(model)
+
+
+def _by_class(model):
+  jb.bridge_modules(model, ["Noisy"])
+  return model
+
+
+def _function(model):
+  return jb.bridge(lambda x: model(x))
+
+
+def _step(model):
+  step = jb.train_step(lambda x: model(x).sum(), jb.optim.SGD(model.parameters(), lr=0.0))
+  return lambda x: step(x).reshape(1)
+
+
+def _plain_step(model):
+  return lambda x: model(x).sum().reshape(1)
+
+
+@pytest.mark.parametrize("adopt, plain", [(_by_class, lambda m: m), (_function, lambda m: m),
+                                          (_step, _plain_step)],
+                         ids=["bridge_modules", "bridge", "train_step"])
+def test_a_fallback_leaves_the_host_as_a_plain_run_does(adopt, plain):
+  outputs, host = _run(adopt)
+  plain_outputs, plain_host = _run(plain)
+  assert host == plain_host  # counters, lists, globals and every random stream
+  for got, want in zip(outputs, plain_outputs):
+    torch.testing.assert_close(got, want)
+  assert jb.bridge_report().fallbacks()  # the region did fall back
+
+
+def test_a_failed_try_leaves_no_container_write_and_no_rebinding():
+  class Scratch(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.lin = torch.nn.Linear(2, 2)
+      self.table = {"kept": 1}
+
+    def forward(self, x):
+      self.table["tries"] = self.table.get("tries", 0) + 1  # a write into a dict it holds
+      self.table = dict(self.table)  # and a dict it replaces
+      y = self.lin(x)
+      return y * 2 if y.sum() > 0 else y
+
+  model = Scratch().to("xla")
+  table = model.table
+  jb.bridge_modules(model, ["Scratch"])
+  with pytest.warns(jb.errors.FallbackWarning):
+    model(torch.ones(1, 2, device="xla"))
+  # as after one plain call: the first dict written once, then replaced by a copy of it
+  assert table == {"kept": 1, "tries": 1}
+  assert model.table is not table and model.table == table
+
+
+def test_a_successful_trace_keeps_what_it_did_once():
+  """A region that bridges keeps its one trace's host effects (as the first call of plain code
+  would leave them); cached calls run no Python."""
+  seen = []
+
+  @jb.bridge
+  def f(x):
+    seen.append(np.random.rand())
+    return x * 2
+
+  np.random.seed(0)
+  f(torch.ones(2, device="xla"))
+  f(torch.ones(2, device="xla"))
+  np.random.seed(0)
+  assert seen == [np.random.rand()]
+
+
+def _wav2vec2():
+  from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+  config = Wav2Vec2Config(
+      vocab_size=12, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=24, conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2),
+      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.3,
+      mask_time_length=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, pad_token_id=0,
+      ctc_loss_reduction="mean")
+  torch.manual_seed(0)
+  return Wav2Vec2ForCTC(config).train()
+
+
+def test_wav2vec2_with_its_numpy_time_masks_trains_through_train_step_as_eager_does():
+  """Its time masks are drawn with NumPy's global stream: the step that falls back draws them
+  once, as eager does, so the masked positions and the losses are eager's."""
+  model = _wav2vec2()
+  moved = _wav2vec2().to("xla")
+  torch.manual_seed(1)
+  audio = torch.randn(2, 800)
+  labels = torch.randint(1, 12, (2, 6))
+  eager_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  step = jb.train_step(lambda a, l: moved(input_values=a, labels=l).loss,
+                       jb.optim.SGD(moved.parameters(), lr=0.1))
+  np.random.seed(0)
+  eager = []
+  for _ in range(3):
+    eager_opt.zero_grad()
+    loss = model(input_values=audio, labels=labels).loss
+    loss.backward()
+    eager_opt.step()
+    eager.append(loss.item())
+  eager_stream = np.random.rand()
+  np.random.seed(0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    losses = [step(audio.to("xla"), labels.to("xla")).item() for _ in range(3)]
+  assert losses == pytest.approx(eager, rel=1e-4)
+  assert np.random.rand() == eager_stream

@@ -1,7 +1,8 @@
 """Nothing the package keeps holds a user's model alive: after a few training steps through each
 entry point, `del` and one `gc.collect()` free the model, its parameters and its optimizer, and
 the traces, compiled programs and report rows kept for them go too (a trace shared by
-structurally identical modules stays exactly as long as one of them lives)."""
+structurally identical modules stays exactly as long as one of them lives); a model built again
+after its twin went is traced again, but torch_xla finds its compiled program."""
 import gc
 import warnings
 import weakref
@@ -9,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch_xla
+import torch_xla.debug.metrics as met
 
 import torch_xla_jaxbridge as jb
 
@@ -141,3 +143,21 @@ def test_a_trace_shared_by_identical_modules_lives_as_long_as_one_of_them():
   del second
   gc.collect()
   assert jb.cache_info().currsize == before
+
+
+def test_a_model_built_again_after_its_twin_was_dropped_is_traced_but_not_compiled_again():
+  x = torch.randn(4, WIDTH, device="xla")
+  torch_xla.sync()
+
+  def train_one():
+    model = jb.BridgeModule(_mlp())
+    model(x).square().mean().backward()
+    torch_xla.sync()  # its gradients
+    assert model.wrapped[0].weight.grad is not None
+
+  train_one()
+  gc.collect()
+  misses, compiles = jb.cache_info().misses, met.counter_value("UncachedCompile")
+  train_one()
+  assert jb.cache_info().misses > misses  # its trace went with the first model
+  assert met.counter_value("UncachedCompile") == compiles  # torch_xla found the program

@@ -67,8 +67,52 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     with cpu_convolutions.channels_last() if platform == "cpu" else contextlib.nullcontext():
       lowered = traced.lower(lowering_platforms=(platform,))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-  computation = torch_xla_private.computation_from_proto(op_name, proto)
+  computation = torch_xla_private.computation_from_proto(op_name, without_module_id(proto))
   return computation, out_tree[0]
+
+
+_MODULE_ID = 5  # `int64 id = 5;` of XLA's `HloModuleProto` (xla/service/hlo.proto)
+
+
+def without_module_id(proto: bytes) -> bytes:
+  """A serialized `HloModuleProto` without its `id`, a number JAX counts up at each lowering.
+  torch_xla keys its compiled programs by a hash of the proto: without the id, a program lowered
+  again (a function traced again once its trace went with the last module using it, or after
+  `clear_cache()`) finds the program compiled before instead of compiling and keeping another.
+
+  Example:
+    >>> without_module_id(b"\\n\\x01m(\\x07")  # name "m", id 7
+    b'\\n\\x01m'
+  """
+  kept, i = bytearray(), 0
+  while i < len(proto):
+    start = i
+    key, i = _varint(proto, i)
+    wire = key & 7
+    if wire == 0:
+      _, i = _varint(proto, i)
+    elif wire in (1, 5):  # fixed 64 / 32 bits
+      i += 8 if wire == 1 else 4
+    elif wire == 2:  # length-delimited
+      length, i = _varint(proto, i)
+      i += length
+    else:  # groups: not in an HloModuleProto; leave the proto as it is
+      return proto
+    if key != _MODULE_ID << 3:
+      kept += proto[start:i]
+  return bytes(kept)
+
+
+def _varint(data, i):
+  """The protobuf varint at `data[i]`, and the position after it."""
+  value = shift = 0
+  while True:
+    byte = data[i]
+    value |= (byte & 0x7F) << shift
+    i += 1
+    if byte < 0x80:
+      return value, i
+    shift += 7
 
 
 MAX_SIGNATURES_PER_FUNCTION = 64

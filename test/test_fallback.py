@@ -4,6 +4,7 @@ compared by attribute values; several threads at once."""
 import collections
 import copy
 import dataclasses
+import gc
 import threading
 import types
 import warnings
@@ -308,3 +309,24 @@ def test_call_jax_says_what_it_needs(dev):
   with pytest.raises(jb.errors.BadArgumentError, match=r"call_jax: jax_func is a int \(42\); "
                      r"expected the JAX function"):
     jb.call_jax(42, (torch.ones(1, device=dev),))
+
+
+def test_the_report_lists_live_regions_in_order_and_since_an_earlier_report(dev):
+  x = torch.ones(2, 8, device=dev)
+  first = copy.deepcopy(CoinModel()).to(dev)
+  jb.bridge_modules(first, ["CoinModel"])
+  with pytest.warns(jb.errors.FallbackWarning):
+    first(x)
+  before = jb.bridge_report()
+  second = jb.BridgeModule(Block().to(dev))
+  second(x)
+  since = jb.bridge_report(since=before)
+  assert [(r.name, r.status) for r in since.rows] == [("Block", "bridged")]
+  names = [r.name for r in jb.bridge_report().rows]
+  assert names.index("CoinModel") < names.index("CoinModel.blocks.0") < names.index("Block")
+  del first
+  gc.collect()
+  assert [r.name for r in jb.bridge_report(since=before).rows] == ["Block"]
+  assert not any(r.name.startswith("CoinModel") for r in jb.bridge_report().rows)
+  with pytest.raises(jb.errors.BadArgumentError, match="since= takes a report"):
+    jb.bridge_report(since=3)

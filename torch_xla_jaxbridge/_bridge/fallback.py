@@ -91,8 +91,10 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class BridgeReport:
-  """Every live bridged region, in the order they were made; `str()` gives a table."""
+  """Every live bridged region, in the order they were made; `str()` gives a table. Pass it as
+  `since=` to a later `bridge_report()` for the regions made after it."""
   rows: tuple
+  mark: int = -1  # regions made after this report are numbered above it
 
   def fallbacks(self) -> list:
     """The rows of the regions that fell back."""
@@ -111,19 +113,28 @@ class BridgeReport:
     return "\n".join(lines)
 
 
-def bridge_report() -> BridgeReport:
+def bridge_report(since: Optional[BridgeReport] = None) -> BridgeReport:
   """What runs bridged and what fell back to plain LazyTensor code, why, and how many traces
   each took: one row per live `BridgeModule`, module bridged by `jb.bridge_modules` (or bridged
-  because a region around it fell back), `jb.bridge` function and `jb.train_step`.
+  because a region around it fell back), `jb.bridge` function and `jb.train_step`, in the order
+  they were made. A region goes with what it belongs to (a dropped model's rows go with it).
+  `since`: an earlier report; only the regions made after it (the rows of the model built since).
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
+    >>> before = jb.bridge_report()
     >>> layer = jb.BridgeModule(torch.nn.Linear(2, 2).to("xla"))
     >>> _ = layer(torch.ones(1, 2, device="xla"))
-    >>> jb.bridge_report().rows[-1].status
-    'bridged'
+    >>> [(r.name, r.status) for r in jb.bridge_report(since=before).rows]
+    [('Linear', 'bridged')]
   """
+  if since is not None and not isinstance(since, BridgeReport):
+    raise errors.BadArgumentError(
+        f"bridge_report: since= takes a report an earlier jb.bridge_report() returned; got a "
+        f"{type(since).__name__}.")
   with _LOCK:
+    mark = next(_COUNTER)
     units = sorted(_UNITS.values(), key=lambda u: u.order)
+  floor = since.mark if since is not None else -1
   return BridgeReport(tuple(Row(u.name, u.kind, u.status, u.reason, u.where, int(u.traces()))
-                            for u in units))
+                            for u in units if u.order > floor), mark)

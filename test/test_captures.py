@@ -323,3 +323,106 @@ def test_assigning_a_captured_tensor_is_refused(dev):
   with pytest.raises(jb.errors.MutationError, match=r"accumulate: .* assigned a new value to the "
                      r"captured `total`.*`total.copy_\(new\)`"):
     jb.bridge(accumulate, fallback=False)(torch.ones(3, device=dev))
+
+
+FACTOR = 2.0  # a global plain value read by `_times_factor`
+
+
+def _times_factor(x):
+  return x * FACTOR
+
+
+class _Scaled(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(3, 3)
+    self.scale = 2.0
+
+  def forward(self, x):
+    return self.lin(x) * self.scale
+
+
+def _plain_value_cases():
+  """`(name, run, change)`: `run(x)` through one entry point reads a plain value that
+  `change(value)` sets; the result must follow it as plain torch_xla's does."""
+  cases = []
+  box = {"k": 2.0}
+  f = jb.bridge(lambda x: x * box["k"])
+  cases.append(("bridge, a dict item", f, lambda v: box.update(k=v)))
+  cfg = types.SimpleNamespace(k=2.0)
+  g = jb.bridge(lambda x: x * cfg.k)
+  cases.append(("bridge, an object's attribute", g, lambda v: setattr(cfg, "k", v)))
+  h = jb.bridge(_times_factor)
+
+  def set_factor(v):
+    global FACTOR
+    FACTOR = v
+  cases.append(("bridge, a global", h, set_factor))
+  k = 2.0
+  closure = jb.bridge(lambda x: x * k)
+
+  def set_k(v):
+    nonlocal k
+    k = v
+  cases.append(("bridge, a closure variable", closure, set_k))
+  layer = _Scaled().to("xla")
+  cases.append(("BridgeModule", jb.BridgeModule(layer), lambda v: setattr(layer, "scale", v)))
+  by_class = _Scaled().to("xla")
+  jb.bridge_modules(by_class, ["_Scaled"])
+  cases.append(("bridge_modules", by_class, lambda v: setattr(by_class, "scale", v)))
+  stepped = _Scaled().to("xla")
+  step = jb.train_step(lambda x: stepped(x).sum(), jb.optim.SGD(stepped.parameters(), lr=0.0))
+  cases.append(("train_step, a module's attribute", lambda x: step(x),
+                lambda v: setattr(stepped, "scale", v)))
+  return cases
+
+
+def test_a_plain_value_changed_between_calls_is_read_anew(dev):
+  """A number the bridged code reads (a closure variable, a global, a dict item, an object's or
+  a module's attribute) is part of the trace's key: a call after it changed traces again,
+  as plain torch_xla computes with the new value, instead of reusing the old constant."""
+  x = torch.ones(2, 3, device=dev)
+  for name, run, change in _plain_value_cases():
+    change(2.0)
+    first = run(x).detach().cpu()
+    change(3.0)
+    misses = _misses()
+    second = run(x).detach().cpu()
+    torch.testing.assert_close(second, first * 1.5, msg=name)
+    assert _misses() > misses, name
+    change(3.0)
+    misses = _misses()
+    run(x)
+    assert _misses() == misses, name  # an unchanged value: the cached trace
+
+
+def test_plain_values_of_equal_value_and_other_type_are_traced_apart(dev):
+  """`1`, `1.0` and `True` are equal in Python but not to torch: `x * 1` keeps an integer tensor
+  integral, `x * 1.0` makes it floating point."""
+  value = 1
+  f = jb.bridge(lambda x: x * value)
+  x = torch.arange(3, device=dev)
+  assert f(x).dtype == torch.int64
+  value = 1.0
+  assert f(x).dtype == torch.float32
+
+
+def test_a_forward_that_counts_its_calls_counts_each_call(dev):
+  """A module attribute the forward writes is read anew on the next call: each call traces
+  with the count it finds, as plain code counts."""
+  class Counting(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.lin = torch.nn.Linear(2, 2)
+      self.calls = 0
+
+    def forward(self, x):
+      self.calls += 1
+      return self.lin(x) * self.calls
+
+  model = Counting().to(dev)
+  bridged = jb.BridgeModule(model)
+  x = torch.ones(1, 2, device=dev)
+  outputs = [bridged(x).detach().cpu() for _ in range(3)]
+  assert model.calls == 3
+  torch.testing.assert_close(outputs[2], outputs[0] * 3)

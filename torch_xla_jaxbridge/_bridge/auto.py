@@ -31,7 +31,7 @@ class SharedForward(modules.Calling):
   Example:
     >>> layer, forward = torch.nn.Linear(2, 2), SharedForward(hooks=True)
     >>> params, buffers, training = modules.module_state(layer)
-    >>> forward.run_for(layer, forward, params, buffers, training, (torch.ones(2),), {}).shape
+    >>> forward.run_for(layer, forward, params, buffers, training, (), (torch.ones(2),), {}).shape
     torch.Size([2])
   """
   __slots__ = ("hooks",)
@@ -40,8 +40,9 @@ class SharedForward(modules.Calling):
     super().__init__()
     self.hooks = hooks
 
-  def __call__(self, params: dict, buffers: dict, training: tuple, args: tuple,
+  def __call__(self, params: dict, buffers: dict, training: tuple, settings: tuple, args: tuple,
                kwargs: dict) -> Any:
+    del settings  # read by the forward from the module itself; in the call for its cache key
     return modules.module_forward(self.module(), params, buffers, training, args, kwargs,
                                   hooks=self.hooks)
 
@@ -121,8 +122,10 @@ class ModuleBridge:
     if not self.outcome.fell_back:
       bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
+      settings = self.state.settings()
       ran, outputs = rollback.attempt(
-          lambda: bridged.fn.run_for(module, bridged, params, buffers, training, args, kwargs),
+          lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings, args,
+                                     kwargs),
           lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
       if ran:
         return outputs

@@ -52,8 +52,10 @@ class Lifted:
 
   `layout` holds one entry per captured value: `(where, name, kind, params, buffers, extra)`,
   `where` its place (`reach`: a root such as `(CELL, index)`, `(GLOBAL, name)`, `(SELF,)`, then
-  `(ATTR, name)` / `(ITEM, key)` steps), `kind` "tensor" or "module"; a module's
-  `params`/`buffers` are its state names and `extra` its identity token and training modes.
+  `(ATTR, name)` / `(ITEM, key)` steps), `kind` "tensor", "module" or "value" (a plain value
+  the code reads, its type and value as `extra`, so that a new value traces again); a module's
+  `params`/`buffers` are its state names and `extra` its identity token, training modes and
+  settings (`modules.StateWalk.settings`).
   Equal layouts (and tensor signatures) share a trace.
 
   Example:
@@ -73,7 +75,7 @@ class Lifted:
     for _, name, kind, params, buffers, _ in self.layout:
       if kind == "tensor":
         names.append(name)
-      else:
+      elif kind == "module":
         names.extend(f"{name}.{n}" for n in params + buffers)
     return names
 
@@ -99,7 +101,7 @@ def _module_state(module):
   if entry is None:
     entry = _TOKENS[module] = (next(_COUNTER), modules.StateWalk(module))
   token, walk = entry
-  return (token,) + walk.state()
+  return (token,) + walk.state() + (walk.settings(),)
 
 
 def _direct(where):
@@ -131,22 +133,24 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
     >>> collect(lambda x: x * w, "f", xla=False)
     Lifted(w)
   """
-  places, values = reach.find(fn)
+  places, values, plain = reach.find_all(fn)
   if args or kwargs:
     places, values = _with_module_arguments(places, values, args, kwargs)
-  if not places:
+  if not places and not plain:
     return None
   _register_pytree()
-  tensors, layout = [], []
+  # the plain values the code reads, in the layout (so in the cache key): a new value retraces
+  tensors, layout = [], [((), name, "value", (), (), (kind, value)) for name, kind, value in plain]
   for (where, name), value in zip(places, values):
     if isinstance(value, torch.Tensor):
       tensors.append(value)
       layout.append((where, name, "tensor", (), (), None))
     else:
-      token, params, buffers, training = _module_state(value)
+      token, params, buffers, training, settings = _module_state(value)
       tensors.extend(params.values())
       tensors.extend(buffers.values())
-      layout.append((where, name, "module", tuple(params), tuple(buffers), (token, training)))
+      layout.append((where, name, "module", tuple(params), tuple(buffers),
+                     (token, training, settings)))
   lifted = Lifted(tensors, tuple(layout))
   if xla and not all([t.is_xla for t in tensors]):
     return _on_xla(lifted, fn_name)
@@ -161,7 +165,7 @@ def _on_xla(lifted, fn_name):
     where, _, kind, params, buffers, _ = entry
     own = lifted.tensors[at:at + (1 if kind == "tensor" else len(params) + len(buffers))]
     at += len(own)
-    if kind == "module" or own[0].is_xla or _direct(where):
+    if kind != "tensor" or own[0].is_xla or _direct(where):
       tensors.extend(own)
       layout.append(entry)
   lifted = Lifted(tensors, tuple(layout)) if layout else None
@@ -259,6 +263,8 @@ def _call_with(fn, lifted, args, kwargs):
     for where, name, kind, params, buffers, _ in lifted.layout:
       if kind == "tensor":
         pending[where] = (name, next(tensors))
+        continue
+      if kind == "value":  # read by the code where it is
         continue
       module = scene.read(where)
       for names, table in ((params, torch_private.parameters_table),

@@ -187,10 +187,12 @@ class Walk:
       if len(self.names) == size:
         break
     self.places = [(where, name) for where, name, _ in self.found]
-    self.positions = [at for _, _, at in self.found]
+    self.positions = [at for _, _, at in self.found] + [at for _, at in self.atoms]
+    self.atom_names = tuple(name for name, _ in self.atoms)
 
   def _walk(self, target):
     self.records, self.found, self.notes, self._seen = [], [], [], set()
+    self.atoms = []  # (name, at) of the plain values (numbers, strings) found
     roots = target.roots()
     values = [target.root(key) for key, _ in roots]
     self._record(None, _ROOTS, [key for key, _ in roots], None, values)
@@ -212,7 +214,10 @@ class Walk:
         self.found.append((where, name, at))
       if depth < 0:  # `self`, a module: its tensors and modules (not in its parameter tables)
         self._enter(queue, value, _OBJECT, where, name, at, depth)
-    elif type(value) not in _ATOMS and value is not _MISSING:
+    elif type(value) in _ATOMS:
+      if value is not None:  # (a module's own are not entered: `StateWalk.settings` has them)
+        self.atoms.append((name, at))
+    elif value is not _MISSING:
       kind = _OBJECT if depth < 0 and hasattr(value, "__dict__") else _kind(value)
       if kind is None:
         if not (callable(value) or hasattr(value, "__dict__") or _library_class(type(value))):
@@ -325,6 +330,25 @@ def _walk_of(fn, target):
   return walk, walk.values(target)
 
 
+def find_all(fn: object) -> tuple:
+  """`(places, values, plain)`: `find(fn)`, and `(name, type, value)` of each plain value (a
+  number, a string) at a place the walk read: what a trace of `fn` reads as a constant.
+
+  Example:
+    >>> scale = 2.0
+    >>> find_all(lambda x: x * scale)
+    ([], [], (('scale', <class 'float'>, 2.0),))
+  """
+  target = Target(fn)
+  walk, values = _walk_of(fn, target)
+  if values is None:  # read differently twice in a row (a property-like __dict__): walk again
+    walk = Walk(target)
+    values = walk.values(target) or [None] * len(walk.positions)
+  count = len(walk.places)
+  plain = tuple((name, type(v), v) for name, v in zip(walk.atom_names, values[count:]))
+  return walk.places, values[:count], plain
+
+
 def find(fn: object) -> tuple:
   """`(places, values)`: `(where, name)` of every module and tensor `fn` can reach from its roots,
   and the value at each, now.
@@ -336,12 +360,7 @@ def find(fn: object) -> tuple:
     >>> [name for _, name in places]  # breadth first
     ['cfg.scale', 'cfg.layers[0]']
   """
-  target = Target(fn)
-  walk, values = _walk_of(fn, target)
-  if values is None:  # read differently twice in a row (a property-like __dict__): walk again
-    walk = Walk(target)
-    values = walk.values(target) or ()
-  return walk.places, values
+  return find_all(fn)[:2]
 
 
 def notes(fn: object) -> list:

@@ -25,6 +25,15 @@ def _attributes(module):
                 if k not in _MODULE_INTERNALS and not isinstance(v, BridgedForward))
 
 
+# the plain values of a module's attributes that a trace reads as they are: a change retraces
+_SETTINGS = (bool, int, float, complex, str)
+
+
+def _setting_names(module):
+  """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
+  return tuple(k for k, v in _attributes(module) if type(v) in _SETTINGS)
+
+
 class BridgedForward(functools.partial):
   """A module's `forward` replaced by the bridge's (`jb.bridge_modules`): not an attribute that
   decides what the module computes (its class's forward does)."""
@@ -165,6 +174,27 @@ class StateWalk:
                      tuple(torch_private.parameters_table(sub)),
                      tuple(torch_private.buffers_table(sub)), *_children(sub))
                     for prefix, sub in named]
+    # `(submodule, its setting names)` of the submodules holding plain values: `settings()`
+    self.setting_entries = [(weakref.ref(sub), names) for _, sub in named
+                            if (names := _setting_names(sub))]
+
+  def settings(self):
+    """The plain values (numbers, strings) the module's submodules hold as attributes now, with
+    their types: what a trace read as constants, so a call whose settings differ traces again
+    (`self.scale = 3.0` after a call with 2.0; `1` and `1.0` apart). Attributes set after the
+    walk are not in it (`state()` walks again when parameters, buffers or submodules change).
+
+    Example:
+      >>> layer = torch.nn.Linear(2, 3)
+      >>> StateWalk(layer).settings()
+      ((('in_features', <class 'int'>, 2), ('out_features', <class 'int'>, 3)),)
+    """
+    found = []
+    for ref, names in self.setting_entries:
+      sub = ref()
+      table = vars(sub) if sub is not None else {}
+      found.append(tuple((n, type(table[n]), table[n]) for n in names if n in table))
+    return tuple(found)
 
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter

@@ -149,7 +149,8 @@ def _captured(args):
   """The modules and tensors a call's `Lifted` first argument holds, by name, for an error."""
   if not (args and isinstance(args[0], captures.Lifted)):
     return "no module or tensor"
-  return ", ".join(f"`{name}` (a {kind})" for _, name, kind, *_ in args[0].layout)
+  return ", ".join(f"`{name}` (a {kind})" for _, name, kind, *_ in args[0].layout
+                   if kind != "value") or "no module or tensor"
 
 
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,

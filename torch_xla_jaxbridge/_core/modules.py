@@ -6,6 +6,7 @@ current parameters and buffers by name, without walking the tree each call), `st
 and `Calling` (which module a function shared by a structure runs, holding none of them).
 """
 import functools
+import operator
 import threading
 import weakref
 
@@ -32,6 +33,28 @@ _SETTINGS = (bool, int, float, complex, str)
 def _setting_names(module):
   """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
   return tuple(k for k, v in _attributes(module) if type(v) in _SETTINGS)
+
+
+class Settings:
+  """A module's plain attribute values (`StateWalk.settings`) as a cache key: hashed once.
+
+  Example:
+    >>> Settings(((2, 3.0),)) == Settings(((2, 3.0),)), Settings(((2, 3.0),)) == Settings(((2,),))
+    (True, False)
+  """
+  __slots__ = ("values", "hash", "types")
+
+  def __init__(self, values: tuple):
+    self.values = values
+    self.types = tuple(tuple(map(type, v)) if v is not None else None for v in values)
+    self.hash = hash(values)
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, Settings) and self.hash == other.hash and
+                             self.values == other.values and self.types == other.types)
+
+  def __hash__(self):
+    return self.hash
 
 
 class BridgedForward(functools.partial):
@@ -174,27 +197,37 @@ class StateWalk:
                      tuple(torch_private.parameters_table(sub)),
                      tuple(torch_private.buffers_table(sub)), *_children(sub))
                     for prefix, sub in named]
-    # `(submodule, its setting names)` of the submodules holding plain values: `settings()`
-    self.setting_entries = [(weakref.ref(sub), names) for _, sub in named
-                            if (names := _setting_names(sub))]
+    # the submodules holding plain values, and a reader of them (with `training`, always there,
+    # so that it reads a tuple): `settings()`
+    self.setting_readers = [(weakref.ref(sub), operator.itemgetter(*names, "training"))
+                            for _, sub in named if (names := _setting_names(sub))]
+    self.last_settings = self.last_values = None
 
-  def settings(self):
-    """The plain values (numbers, strings) the module's submodules hold as attributes now, with
-    their types: what a trace read as constants, so a call whose settings differ traces again
-    (`self.scale = 3.0` after a call with 2.0; `1` and `1.0` apart). Attributes set after the
-    walk are not in it (`state()` walks again when parameters, buffers or submodules change).
+  def settings(self) -> "Settings":
+    """The plain values (numbers, strings) the module's submodules hold as attributes now: what
+    a trace read as constants, so a call whose settings differ traces again (`self.scale = 3.0`
+    after a call with 2.0). Unchanged values give the same object (its hash kept), so a call
+    costs one read per submodule. Attributes set after the walk are not in it (`state()` walks
+    again when parameters, buffers or submodules change), nor a change of type alone (`1` to
+    `1.0`).
 
     Example:
       >>> layer = torch.nn.Linear(2, 3)
-      >>> StateWalk(layer).settings()
-      ((('in_features', <class 'int'>, 2), ('out_features', <class 'int'>, 3)),)
+      >>> walk = StateWalk(layer)
+      >>> walk.settings().values, walk.settings() is walk.settings()
+      (((2, 3, True),), True)
     """
-    found = []
-    for ref, names in self.setting_entries:
+    values = []
+    for ref, read in self.setting_readers:
       sub = ref()
-      table = vars(sub) if sub is not None else {}
-      found.append(tuple((n, type(table[n]), table[n]) for n in names if n in table))
-    return tuple(found)
+      try:
+        values.append(read(vars(sub)) if sub is not None else None)
+      except KeyError:  # an attribute deleted
+        values.append(None)
+    if values != self.last_values:
+      self.last_values = values
+      self.last_settings = Settings(tuple(values))
+    return self.last_settings
 
   def state(self):
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter

@@ -191,6 +191,7 @@ def metrics_losses(out):
   return [row["step"] for row in rows], [row["loss"] for row in rows]
 
 
+@pytest.mark.slow  # a run killed and resumed: about a minute on 2 cores
 def test_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path, recipe_run):
   """The proof of item 5: SIGKILL after step 3's shards are on disk, before its metadata."""
   out, signal_file = tmp_path / "run", tmp_path / "saving"

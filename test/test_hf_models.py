@@ -29,7 +29,7 @@ def test_one_node_training_steps_match_eager_adamw(name):
   assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", [pytest.param("dynamic", marks=pytest.mark.slow), "static"])
 @pytest.mark.parametrize("name", GENERATORS)
 def test_greedy_generation_matches_eager(name, cache):
   expected, tokens, traces = zoo.generate(name, cache)

@@ -99,12 +99,19 @@ def lazy_tensor_losses(recipe_run):
   return recipe_run("remat.bridge=none")[0]
 
 
+# One run per way of running the step in `make test` (about 25 s each on 2 cores); the other
+# presets and combinations under `make slow`.
+FAST_RECIPE_RUNS = [(), ("remat.policy=full",), ("remat.scan_layers=true",),
+                    ("remat.stack_layers=true",), ("remat.bridge=layers",)]
+
+
 @pytest.mark.parametrize("overrides", [
-    (), *[(f"remat.policy={name}",) for name in jb.remat.presets()],
-    ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
-    ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
-    ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
-    ("remat.bridge=layers",), ("remat.bridge=layers", "remat.stack_layers=true"),
+    pytest.param(o, marks=() if o in FAST_RECIPE_RUNS else pytest.mark.slow) for o in [
+        (), *[(f"remat.policy={name}",) for name in jb.remat.presets()],
+        ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
+        ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
+        ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
+        ("remat.bridge=layers",), ("remat.bridge=layers", "remat.stack_layers=true")]
 ], ids=lambda o: " ".join(o) or "bridged step")
 def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, overrides):
   with warnings.catch_warnings():

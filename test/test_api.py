@@ -15,9 +15,10 @@ def test_use_cache_false_traces_every_call(dev):
   cached, every_call = jb.assume_pure(times), jb.assume_pure(times, use_cache=False)
   x = torch.ones(2, device=dev)
   assert cached(x).cpu().tolist() == [2.0, 2.0]
+  assert cached(x).cpu().tolist() == [2.0, 2.0]  # nothing changed: the cached trace
   scale["by"] = 3.0
-  assert cached(x).cpu().tolist() == [2.0, 2.0]  # the trace read scale["by"] once
+  assert cached(x).cpu().tolist() == [3.0, 3.0]  # a plain value it reads changed: traced again
+  assert len(traces) == 2
   assert every_call(x).cpu().tolist() == [3.0, 3.0]
-  scale["by"] = 4.0
-  assert every_call(x).cpu().tolist() == [4.0, 4.0]
-  assert len(traces) == 3
+  assert every_call(x).cpu().tolist() == [3.0, 3.0]  # nothing changed, traced all the same
+  assert len(traces) == 4

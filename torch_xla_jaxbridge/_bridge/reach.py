@@ -345,8 +345,8 @@ def find_all(fn: object) -> tuple:
     walk = Walk(target)
     values = walk.values(target) or [None] * len(walk.positions)
   count = len(walk.places)
-  plain = tuple((name, type(v), v) for name, v in zip(walk.atom_names, values[count:]))
-  return walk.places, values[:count], plain
+  return walk.places, values[:count], tuple(
+      (name, type(v), v) for name, v in zip(walk.atom_names, values[count:]))
 
 
 def find(fn: object) -> tuple:

@@ -7,6 +7,7 @@ import jax
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+import torch_xla
 from torch.utils.checkpoint import checkpoint
 
 import models
@@ -188,3 +189,29 @@ def test_a_policys_backward_takes_every_cotangent(dev, first):
   xx = x.detach().to(dev).requires_grad_()
   wave(xx, w.to(dev)).backward(grad_out.to(dev))
   torch.testing.assert_close(xx.grad.cpu(), x.grad, equal_nan=True)
+
+
+class DropoutBlock(torch.nn.Module):
+  """Reads an int64 argument its backward does not keep: its forward is traced in 64-bit mode."""
+
+  def __init__(self):
+    super().__init__()
+    self.linear, self.dropout = torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)
+
+  def forward(self, x, positions):
+    return self.dropout(self.linear(x)) + 0.5
+
+
+def test_a_policys_backward_node_is_lowered_in_its_forwards_64_bit_mode(dev):
+  # the recomputed dropout's random bits and constants were 64-bit in the forward; the backward
+  # node, whose inputs are all float32, lowered them in 32-bit mode and failed in MLIR
+  results = []
+  for policy in (None, "full"):
+    torch.manual_seed(0)
+    block = jb.BridgeModule(DropoutBlock().to(dev), remat=policy, fallback=False)
+    x = torch.linspace(-1, 1, 32).reshape(4, 8).to(dev)
+    torch_xla.manual_seed(5)
+    block(x, torch.arange(4, device=dev)).square().sum().backward()
+    results.append([p.grad.cpu() for p in block.parameters()])
+  for got, want in zip(*results):
+    torch.testing.assert_close(got, want)

@@ -214,9 +214,8 @@ class Walk:
         self.found.append((where, name, at))
       if depth < 0:  # `self`, a module: its tensors and modules (not in its parameter tables)
         self._enter(queue, value, _OBJECT, where, name, at, depth)
-    elif type(value) in _ATOMS:
-      if value is not None:  # (a module's own are not entered: `StateWalk.settings` has them)
-        self.atoms.append((name, at))
+    elif type(value) in _ATOMS:  # a module's own are not entered (`StateWalk.settings`)
+      self.atoms += [(name, at)] if value is not None else []
     elif value is not _MISSING:
       kind = _OBJECT if depth < 0 and hasattr(value, "__dict__") else _kind(value)
       if kind is None:

@@ -72,6 +72,7 @@ class Residuals:
   dtypes: tuple  # of the computed residuals
   on_host: tuple  # offloaded computed residuals
   sequenced: bool = False  # a remat policy recomputes: only once the cotangents have arrived
+  x64: bool = False  # the forward was traced in 64-bit mode: so is the backward lowered
 
 
 class Spec:

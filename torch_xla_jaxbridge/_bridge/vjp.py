@@ -35,7 +35,7 @@ def forward_half(run, policy, diff):
   on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
                   for r in computed)
   kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host,
-                   policy is not None)
+                   policy is not None, bool(jax.config.jax_enable_x64))
   computed = [dtypes.torch_compatible(jax, r) for r in computed]
   return floats, others, mutated, (kept, computed), layout
 
@@ -80,8 +80,10 @@ class VjpFunction(torch.autograd.Function):
     try:
       tensors = list(ctx.saved_tensors)
       saved = (ctx.kept, tensors[ctx.inputs:])
-      grads = call.call_jax(ctx.bridged.backward_half, (saved, tensors[:ctx.inputs], cotangents),
-                            name=f"{ctx.bridged.name}_bwd")
+      with call.in_x64(ctx.kept.x64):  # the vjp (a recomputation too) was traced in it
+        grads = call.call_jax(ctx.bridged.backward_half,
+                              (saved, tensors[:ctx.inputs], cotangents),
+                              name=f"{ctx.bridged.name}_bwd")
     except errors.JaxTracingError as e:
       if not jax_private.is_while_loop_gradient_error(e):
         raise

@@ -1,7 +1,9 @@
 """`call_jax`: run a JAX function on XLA tensors as one node of the LazyTensor graph."""
+import contextlib
 import inspect
 import re
-from typing import Any, Callable, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -10,6 +12,7 @@ from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
 from torch_xla_jaxbridge._core import dtypes, lowering, plain, runtime, threads, tracing
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
+_X64 = threading.local()  # .on: calls lower in 64-bit mode whatever their inputs (`in_x64`)
 _jax = None
 _user_computation = None
 
@@ -72,7 +75,7 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
   except TypeError:  # an unhashable static leaf: key it by value, or say which one
     static_key = static_keys(statics, (args, kwargs), function_name(jax_func, name))
   signature = (name, treedef, tuple([(t.shape, t.dtype, t.is_xla) for t in tensors]), static_key,
-               jax_private.trace_context(), captured)
+               (jax_private.trace_context(), getattr(_X64, "on", False)), captured)
   entry = lowering.CACHE.lookup(anchor, subkey, signature)
   if entry is None:
     with threads.TRACING:  # one trace at a time; another thread may have made this one meanwhile
@@ -80,6 +83,29 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
           jax_func, anchor, subkey, signature, (args, kwargs), tensors, statics, treedef, name)
   outputs = _user_computation(entry.op_name, tensors, entry.computation)
   return entry.out_tree.unflatten(outputs)
+
+
+@contextlib.contextmanager
+def in_x64(on: bool) -> Iterator[None]:
+  """With `on`, `call_jax` calls in the block (this thread) lower in JAX's 64-bit mode even when
+  no input is 64-bit: a backward node runs a vjp traced in that mode (its forward had int64
+  inputs), whose weak-typed constants and index arithmetic are 64-bit.
+
+  Example:
+    >>> import jax.numpy as jnp, torch
+    >>> x = torch.ones(2, device="xla")
+    >>> call_jax(lambda a: jnp.arange(2.0) + a, (x,)).dtype
+    torch.float32
+    >>> with in_x64(True):
+    ...   call_jax(lambda a: jnp.arange(2.0) + a, (x,)).dtype
+    torch.float64
+  """
+  before = getattr(_X64, "on", False)
+  _X64.on = bool(on)
+  try:
+    yield
+  finally:
+    _X64.on = before
 
 
 def _inline(jax_func, leaves, treedef, tree, name):
@@ -179,7 +205,7 @@ def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef,
     out_leaves, out_tree = _jax.tree.flatten(jax_func(*args, **(kwargs or {})))
     return [dtypes.torch_compatible(_jax, x) for x in out_leaves], out_tree
 
-  enable_x64 = dtypes.needs_x64([t.dtype for t in tensors])
+  enable_x64 = dtypes.needs_x64([t.dtype for t in tensors]) or getattr(_X64, "on", False)
   try:
     computation, out_tree = lowering.lower(flat_fn, avals, op_name=f"xla::{fn_name}",
                                            enable_x64=enable_x64)

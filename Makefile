@@ -23,10 +23,11 @@ $(STAMP): setup.py Makefile
 # mypy, the test suite and every docstring example of the package, as eight processes run two at
 # a time (one per core): XLA:CPU keeps compiled programs mapped, and one process compiling the
 # whole suite ran past the kernel's memory-map limit (vm.max_map_count 65530: "LLVM compilation
-# error: Cannot allocate memory", then a crash). Each group prints its output when it ends.
+# error: Cannot allocate memory", then a crash). Each group prints its output when it ends, and
+# every group runs (-k) so that one run shows every failure.
 TEST_GROUPS := a-b c-e f-h i-o p-r s t-z
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck doctests \
+	$(MAKE) --no-print-directory -k -j2 --output-sync=target typecheck doctests \
 		$(addprefix tests-,$(TEST_GROUPS))
 
 typecheck: $(STAMP)

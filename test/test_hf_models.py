@@ -13,15 +13,25 @@ GENERATORS = [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow
               for name, (*_, generates) in zoo.ARCHITECTURES.items() if generates]
 
 
-@pytest.mark.parametrize("mode", zoo.MODES)
-@pytest.mark.parametrize("name", list(zoo.ARCHITECTURES))
+# Every architecture whole; per layer and in one node, the architectures whose layers differ most
+# (a Llama-style decoder, mixture of experts, GPT-2, an encoder); the Llama-like decoders
+# (Mistral, Qwen2, Gemma, Phi-3) per layer and in one node under `make slow`.
+DISTINCT = ("llama", "mixtral", "gpt2", "bert")
+
+
+def _marks(name, mode="layers"):
+  return () if name in DISTINCT or mode == "whole" else pytest.mark.slow
+
+
+@pytest.mark.parametrize("name, mode", [pytest.param(n, m, marks=_marks(n, m))
+                                        for n in zoo.ARCHITECTURES for m in zoo.MODES])
 def test_training_step_matches_eager(name, mode):
   eager, bridged, worst, _ = zoo.train_step(name, mode)
   assert bridged == pytest.approx(eager, rel=1e-5)
   assert worst < 1e-4
 
 
-@pytest.mark.parametrize("name", list(zoo.ARCHITECTURES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in zoo.ARCHITECTURES])
 def test_one_node_training_steps_match_eager_adamw(name):
   eager, losses, eager_norms, norms = zoo.one_node_steps(name)
   assert losses == pytest.approx(eager, rel=1e-4)

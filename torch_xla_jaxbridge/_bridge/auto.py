@@ -40,8 +40,8 @@ class SharedForward(modules.Calling):
     super().__init__()
     self.hooks = hooks
 
-  def __call__(self, params: dict, buffers: dict, training: tuple, settings: tuple, args: tuple,
-               kwargs: dict) -> Any:
+  def __call__(self, params: dict, buffers: dict, training: tuple, settings: modules.Settings,
+               args: tuple, kwargs: dict) -> Any:
     del settings  # read by the forward from the module itself; in the call for its cache key
     return modules.module_forward(self.module(), params, buffers, training, args, kwargs,
                                   hooks=self.hooks)

@@ -12,7 +12,6 @@ printing, logging, objects reached deeper) is not recorded: docs/bridge.md says 
 """
 import collections
 import contextvars
-import functools
 import random
 import types
 from typing import Callable, Iterable, Optional
@@ -46,15 +45,14 @@ class Snapshot:
 
   def __init__(self, modules: Iterable[torch.nn.Module], functions: Iterable[Callable]):
     self.streams = _random_streams()
-    objects, bindings = {}, {}
-    for module in modules:
-      for sub in module.modules():
-        objects[id(sub)] = sub
-        functions = [*functions, type(sub).forward]
-    for fn in functions:
-      for obj in _objects_of(fn):
+    objects = {id(sub): sub for module in modules for sub in module.modules()}
+    forwards = {type(sub).forward for sub in objects.values()}
+    bindings = {}
+    for fn in [*functions, *forwards]:
+      target = reach.Target(fn)
+      for obj in _objects_of(target):
         objects.setdefault(id(obj), obj)
-      for place in _bindings_of(fn):
+      for place in _bindings_of(target.function):
         bindings.setdefault((id(place[0]), place[1]), place)
     self.attributes = [(obj, dict(vars(obj))) for obj in objects.values()]
     self.bindings = [(scope, name, scope.get(name, _ABSENT) if isinstance(scope, dict)
@@ -62,8 +60,8 @@ class Snapshot:
     values = [v for _, attrs in self.attributes for v in attrs.values()]
     values += [v for _, _, v in self.bindings]
     self.contents = {id(v): (v, _copy(v)) for v in values if isinstance(v, _CONTAINERS)}
-    self.generators = {id(v): (v, _generator_state(v)) for v in values
-                       if _generator_state(v) is not None}
+    self.generators = {id(v): (v, state) for v in values
+                       if (state := _generator_state(v)) is not None}
 
   def restore(self) -> None:
     """Puts back every recorded value (it may be called more than once)."""
@@ -191,31 +189,23 @@ def _cell_value(cell):
     return _ABSENT
 
 
-def _unwrapped(fn):
-  """`(function, self)` pairs of a callable, looking through partials."""
-  while isinstance(fn, functools.partial):
-    yield from ((None, a) for a in (*fn.args, *fn.keywords.values()) if hasattr(a, "__dict__"))
-    fn = fn.func
-  yield reach.split(fn)
-
-
-def _objects_of(fn):
-  """The objects `fn` runs on (`self` of a method or callable object, a partial's arguments)."""
-  for _, obj in _unwrapped(fn):
+def _objects_of(target):
+  """The objects a callable runs on (`self` of a method or callable object, a partial's
+  arguments), from its `reach.Target`."""
+  for obj in (target.owner, *target.pargs, *target.pkw.values()):
     if obj is not None and hasattr(obj, "__dict__") and not isinstance(obj, type):
       yield obj
 
 
-def _bindings_of(fn):
+def _bindings_of(function):
   """`(scope, name)` of every global (`scope` the globals dict) and closure cell (`scope` the
-  cell, `name` its index) the code of `fn` reads."""
-  for function, _ in _unwrapped(fn):
-    while isinstance(function, types.FunctionType):
-      for name in code_names.global_names(function.__code__):
-        yield function.__globals__, name
-      for index, cell in enumerate(function.__closure__ or ()):
-        yield cell, index
-      function = getattr(function, "__wrapped__", None)
+  cell, `name` its index) the code of `function` (and what it wraps) reads."""
+  while isinstance(function, types.FunctionType):
+    for name in code_names.global_names(function.__code__):
+      yield function.__globals__, name
+    for index, cell in enumerate(function.__closure__ or ()):
+      yield cell, index
+    function = getattr(function, "__wrapped__", None)
 
 
 def _copy(container):

@@ -330,3 +330,56 @@ def test_the_report_lists_live_regions_in_order_and_since_an_earlier_report(dev)
   assert not any(r.name.startswith("CoinModel") for r in jb.bridge_report().rows)
   with pytest.raises(jb.errors.BadArgumentError, match="since= takes a report"):
     jb.bridge_report(since=3)
+
+
+class PlainTensorsOnly(torch.nn.Module):
+  """A library's check that holds for plain torch_xla tensors and not while traced (the traced
+  tensors are torchax's class): its AssertionError is not one of the package's errors."""
+
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(8, 8)
+
+  def forward(self, x):
+    assert type(x) is torch.Tensor, "expected a torch.Tensor"
+    return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("entry", ["BridgeModule", "bridge_modules", "train_step"])
+def test_any_error_of_a_trace_falls_back_with_its_cause_and_line(dev, entry):
+  torch.manual_seed(0)
+  model = PlainTensorsOnly()
+  moved = copy.deepcopy(model).to(dev)
+  x = torch.randn(3, 8)
+  before = jb.bridge_report()
+  with pytest.warns(jb.errors.FallbackWarning, match=r"AssertionError: expected a torch.Tensor"):
+    if entry == "train_step":
+      step = jb.train_step(lambda b: moved(b).sum(), jb.optim.SGD(moved.parameters(), lr=0.5))
+      loss = step(x.to(dev))
+      expected = model(x).sum()
+      expected.backward()
+      torch.testing.assert_close(loss.cpu(), expected.detach())
+      for p, q in zip(moved.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach() - 0.5 * q.grad)
+    else:
+      called = jb.BridgeModule(moved) if entry == "BridgeModule" else moved
+      if entry == "bridge_modules":
+        jb.bridge_modules(moved, [PlainTensorsOnly])
+      _assert_matches_eager(called(x.to(dev)), moved, model, x)
+  row = jb.bridge_report(since=before).rows[0]
+  assert row.status == "fallback" and row.reason.startswith("JaxTracingError")
+  assert row.where.endswith('assert type(x) is torch.Tensor, "expected a torch.Tensor"')
+
+
+def test_an_error_plain_torch_xla_raises_too_reaches_the_user_as_its_own(dev):
+  """Code that fails in any mode falls back, and the plain run raises torch's own error."""
+  def bad_shapes(x):
+    return x @ x
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    with pytest.raises(RuntimeError, match=r"mm\(\): cannot matrix-multiply") as raised:
+      jb.bridge(bad_shapes)(torch.ones(2, 3, device=dev))
+  assert not isinstance(raised.value, jb.errors.BridgeError)
+  with pytest.raises(jb.errors.JaxTracingError, match="bad_shapes failed while being traced"):
+    jb.bridge(bad_shapes, fallback=False)(torch.ones(2, 3, device=dev))

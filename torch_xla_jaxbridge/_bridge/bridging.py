@@ -38,6 +38,7 @@ class Bridged:
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
     self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
     self.traces = 0  # how many times the torch code was traced (outside enclosing traces)
+    self.x64 = True  # traced in JAX's 64-bit mode (`keyed`)
     # api.Fallback: its outcome, and the call when the code cannot be bridged;
     # None: the error propagates (to a caller that decides, e.g. auto.ModuleBridge)
     self.fallback = None
@@ -80,11 +81,26 @@ class Bridged:
     """`invoke(key_data)` with the random key this call needs. Code that never draws random
     numbers gets a constant key (drawing one costs host time, and a first call with a fresh key
     would make a first-step program that differs from the rest); when the trace `invoke` makes
-    shows that it does draw, it is invoked again with a fresh key (`seed`: from that seed)."""
+    shows that it does draw, it is invoked again with a fresh key (`seed`: from that seed).
+
+    Traced in JAX's 64-bit mode, whatever the inputs: torch's int64 indices and float64 values
+    exist there (`_core.torch_dtypes`). JAX code written for 32-bit mode that the torch code
+    calls (a Pallas kernel through torch_xla's `call_jax`) may fail to trace or lower in it: then
+    the function is traced in 32-bit mode from then on, as before this rule (indices int32)."""
+    try:
+      return self._keyed(invoke, device, seed)
+    except errors.JaxTracingError as e:
+      if type(e) is not errors.JaxTracingError or not self.x64:  # not a matter of the mode
+        raise
+      self.x64 = False
+      return self._keyed(invoke, device, seed)
+
+  def _keyed(self, invoke, device, seed):
     fresh = seed is not None or bool(self.draws_random)
-    result = invoke(rng.key_data(seed, device) if fresh else rng.constant_key_data(device))
-    if not fresh and self.draws_random:  # this call traced code that does: a fresh key
-      result = invoke(rng.key_data(None, device))
+    with call.in_x64(self.x64):
+      result = invoke(rng.key_data(seed, device) if fresh else rng.constant_key_data(device))
+      if not fresh and self.draws_random:  # this call traced code that does: a fresh key
+        result = invoke(rng.key_data(None, device))
     return result
 
   def _invoke(self, spec, key_data, diff, other):

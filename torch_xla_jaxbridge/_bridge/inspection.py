@@ -12,7 +12,7 @@ from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._bridge.module import BridgeModule
 from torch_xla_jaxbridge._bridge.spec import DIFF, OTHER, Spec, register_static_pytree
 from torch_xla_jaxbridge._compat import jax_private
-from torch_xla_jaxbridge._core import call, diagnostics, dtypes, modules, runtime
+from torch_xla_jaxbridge._core import call, diagnostics, dtypes, lowering, modules, runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def saved_residuals(fn: Callable, *args: Any, remat: Any = None, **kwargs: Any) 
       run = jax.checkpoint(run, policy=bridged.policy)
     return jax.linearize(run, *diff)
 
-  with _x64_if_needed(diff + other):
+  with jax_private.enable_x64(True):  # as bridged calls trace (`Bridged.keyed`)
     closed, out_shape = jax.make_jaxpr(linearized, return_shape=True)(diff, other, key)
     plain = jax.make_jaxpr(lambda d, o, k: bridged.run(spec, d, o, k)[0])(diff, other, key)
   named_sites = _named_sites(plain.jaxpr)
@@ -137,8 +137,15 @@ def lower_bridged(fn: Callable, *args: Any, platform: str, remat: Any = None,
   """
   jax = runtime.jax_module()
   bridged, spec, diff, other, key, _ = abstract_call(fn, args, kwargs, remat)
-  with _x64_if_needed(diff + other), jax_private.gspmd_partitioner():
-    traced = jax.jit(bridged.forward_half, static_argnums=0).trace(spec, diff, other, key)
+
+  def trace(x64):
+    with jax_private.enable_x64(x64), jax_private.gspmd_partitioner():
+      return jax.jit(bridged.forward_half, static_argnums=0).trace(spec, diff, other, key)
+
+  x64, traced = True, trace(True)  # as bridged calls trace (`Bridged.keyed`, `lowering.lower`)
+  if lowering.needs_32_bit_mode(traced, diff + other):
+    x64, traced = False, trace(False)
+  with jax_private.enable_x64(x64), jax_private.gspmd_partitioner():
     forward = traced.lower(lowering_platforms=(platform,)).as_text()
     floats, _, _, saved, _ = traced.out_info
     cotangents = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in floats]
@@ -225,6 +232,3 @@ def _user_line(source_info):
       return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
   return "<library code>"
 
-
-def _x64_if_needed(avals):
-  return jax_private.enable_x64(dtypes.needs_x64([a.dtype for a in avals]))

@@ -139,6 +139,36 @@ def is_while_loop_gradient_error(exc: BaseException) -> bool:
   return "Reverse-mode differentiation does not work for lax.while_loop" in str(exc)
 
 
+def holds_pallas_kernel(closed_jaxpr: Any) -> bool:
+  """Whether a traced program calls a Pallas kernel (a `pallas_call` equation, in it or in any
+  program nested in its equations' parameters). Found by the primitive's name: Pallas exports
+  no predicate. If the name changes, bridged code calling a Pallas kernel stays in 64-bit mode,
+  where its lowering fails (`test_xla_kernels` checks it).
+
+  Example:
+    >>> jax = _jax()
+    >>> holds_pallas_kernel(jax.make_jaxpr(lambda x: jax.numpy.sin(x))(1.0))
+    False
+  """
+  pending = [closed_jaxpr.jaxpr]
+  while pending:
+    for eqn in pending.pop().eqns:
+      if eqn.primitive.name == "pallas_call":
+        return True
+      pending.extend(_nested_jaxprs(list(eqn.params.values())))
+  return False
+
+
+def _nested_jaxprs(values: list) -> Iterator:
+  for value in values:
+    if hasattr(value, "eqns"):
+      yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+      yield value.jaxpr
+    elif isinstance(value, (list, tuple)):
+      yield from _nested_jaxprs(list(value))
+
+
 def dlpack_cpu_import() -> Optional[Callable]:
   """JAX's own DLPack import onto its CPU device, or None where this JAX lacks it. The public
   `jax.dlpack.from_dlpack` wraps it in conversions that cost an order of magnitude more host time

@@ -15,7 +15,7 @@ import weakref
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
-from torch_xla_jaxbridge._core import cpu_convolutions, runtime
+from torch_xla_jaxbridge._core import cpu_convolutions, dtypes, runtime
 
 logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
 
@@ -54,21 +54,44 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     out_tree.append(tree)
     return leaves
 
+  traced = _trace(jax, leaves_only, avals, op_name, enable_x64)
+  if enable_x64 and needs_32_bit_mode(traced, avals):
+    enable_x64 = False
+    traced = _trace(jax, leaves_only, avals, op_name, enable_x64)
   with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
-    try:
-      with jax.checking_leaks():
-        traced = jax.jit(leaves_only, keep_unused=True).trace(*avals)
-    except Exception as e:
-      if not jax_private.is_leak_error(e):
-        raise
-      raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
     platform = platform or runtime.lowering_platform()
     # XLA:CPU's fast convolutions need channels-last form, made for it only in the entry
     with cpu_convolutions.channels_last() if platform == "cpu" else contextlib.nullcontext():
       lowered = traced.lower(lowering_platforms=(platform,))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
   computation = torch_xla_private.computation_from_proto(op_name, without_module_id(proto))
-  return computation, out_tree[0]
+  return computation, out_tree[-1]
+
+
+def needs_32_bit_mode(traced, avals) -> bool:
+  """Whether a program traced in JAX's 64-bit mode must be traced again without it: it calls a
+  Pallas kernel (which lowers, for TPU and in interpret mode, in 32-bit mode only) and no input
+  is 64-bit (the mode was asked for torch's dtypes inside bridged code, not by the inputs).
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> avals = [jax.ShapeDtypeStruct((2,), jax.numpy.float32)]
+    >>> needs_32_bit_mode(jax.jit(lambda x: x * 2).trace(*avals), avals)
+    False
+  """
+  return (not dtypes.needs_x64([a.dtype for a in avals])
+          and jax_private.holds_pallas_kernel(traced.jaxpr))
+
+
+def _trace(jax, fn, avals, op_name, enable_x64):
+  with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
+    try:
+      with jax.checking_leaks():
+        return jax.jit(fn, keep_unused=True).trace(*avals)
+    except Exception as e:
+      if not jax_private.is_leak_error(e):
+        raise
+      raise errors.LeakedTensorError(_leak_message(op_name, str(e))) from None
 
 
 _MODULE_ID = 5  # `int64 id = 5;` of XLA's `HloModuleProto` (xla/service/hlo.proto)

@@ -23,7 +23,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads
+from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads, torch_dtypes
 
 _OP_OVERRIDES = {}
 _DISPATCH_WRAPPERS: list = []
@@ -131,6 +131,7 @@ def environment():
     env = env_type(torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
   for op, impl in _OP_OVERRIDES.items():
     env.override_op_definition(op, impl)
+  torchax_private.wrap_dispatch(env, torch_dtypes.dispatcher(env))  # innermost: torchax's results
   for wrapper in _DISPATCH_WRAPPERS:
     torchax_private.wrap_dispatch(env, wrapper)
   return env

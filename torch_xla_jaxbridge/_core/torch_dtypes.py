@@ -1,0 +1,118 @@
+"""Results inside bridged code carry torch's dtypes.
+
+torchax converts each aten op to JAX, whose dtype rules differ from torch's in places: `topk` and
+`searchsorted` give int32 indices, `arange(4.0)` and `full((2,), 1.5)` float64 in 64-bit mode.
+Library code checks dtypes (`one_hot` takes only int64), so every aten op's result is cast to
+the dtype torch gives for the same arguments, read from torch's meta kernels (shapes and dtypes,
+no data; once per op and argument dtypes), where the two differ in kind: integers, or 64-bit
+floats on one side. Bridged code is traced in JAX's 64-bit mode, so int64 and float64 exist; where a JAX
+function converts torch code in 32-bit mode (`jaxify` in the user's JAX), a 64-bit dtype stays
+its 32-bit form, as JAX has it.
+"""
+import torch
+
+from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._core import dtypes, runtime
+
+_META = torch.device("meta")
+_EXPECTED: dict = {}  # (op, argument signature) -> torch's result dtypes, or None: not known
+_UNKNOWN = object()
+# torch functions that torchax converts whole (not through aten ops) and that take no tensor
+_FACTORIES = frozenset([torch.arange, torch.empty, torch.eye, torch.full, torch.linspace,
+                        torch.logspace, torch.ones, torch.rand, torch.randint, torch.randn,
+                        torch.tensor, torch.zeros])
+
+
+def dispatcher(env):
+  """A dispatch wrapper for `env` (`torchax_private.wrap_dispatch`): torchax's conversion of each
+  op; for an aten op or a tensor factory, each tensor result cast to the dtype torch gives.
+
+  Example (the bridge's environment has it):
+    >>> from torch_xla_jaxbridge import bridge
+    >>> x = torch.tensor([[1.0, 3.0, 2.0]], device="xla")
+    >>> bridge(lambda t: torch.topk(t, 2).indices)(x).dtype
+    torch.int64
+  """
+  def dispatch_with_torch_dtypes(dispatch, func, types, args, kwargs):
+    out = dispatch(func, types, args, kwargs)
+    if not (torch_private.is_op(func) or func in _FACTORIES):
+      return out
+    key = (func, _signature(args), _signature(kwargs))
+    try:
+      expected = _EXPECTED.get(key, _UNKNOWN)
+    except TypeError:  # an unhashable argument: ask torch each time
+      expected = _meta_dtypes(func, args, kwargs)
+    if expected is _UNKNOWN:
+      expected = _EXPECTED[key] = _meta_dtypes(func, args, kwargs)
+    return out if expected is None else _cast(env, out, expected)
+
+  return dispatch_with_torch_dtypes
+
+
+def _signature(value):
+  """What torch's result dtypes can depend on: each tensor's dtype and whether it is 0-d (type
+  promotion treats those as scalars), each Python number's type, every other value itself."""
+  if isinstance(value, torch.Tensor):
+    return (value.dtype, value.dim() == 0)
+  if isinstance(value, (list, tuple)):
+    return (type(value), *[_signature(v) for v in value])
+  if isinstance(value, dict):
+    return tuple((k, _signature(v)) for k, v in value.items())
+  if isinstance(value, (bool, int, float, complex)):
+    return type(value)
+  return value
+
+
+def _meta_dtypes(func, args, kwargs):
+  """The dtypes of torch's results of `func` for these arguments, or None where torch's meta
+  kernel cannot say (data-dependent shapes, an op without one)."""
+  jax = runtime.jax_module()
+  is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
+  meta_args, meta_kwargs = jax.tree.map(
+      lambda t: _as_meta(t) if is_tensor(t) else t, (tuple(args), dict(kwargs or {})),
+      is_leaf=is_tensor)
+  if "device" in meta_kwargs:
+    meta_kwargs["device"] = _META
+  try:
+    result = func(*meta_args, **meta_kwargs)
+  except Exception:  # noqa: BLE001  (torch says nothing for this call: keep torchax's dtypes)
+    return None
+  return [t.dtype if is_tensor(t) else None
+          for t in jax.tree.leaves(result, is_leaf=is_tensor)]
+
+
+def _as_meta(tensor):
+  return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=_META)
+
+
+def _differs_from_torch(got, expected):
+  """Whether a result of dtype `got` is one torch (`expected`) would not give: an integer or bool
+  dtype other than torch's, or 64-bit floats on one side only. Between 16- and 32-bit floats
+  torch_xla has rules of its own (a bfloat16 layer norm with float32 weights gives float32, as
+  torchax's does), so those are left as they are."""
+  if got == expected:
+    return False
+  wide = (torch.float64, torch.complex128)
+  return not (expected.is_floating_point or expected.is_complex) or got in wide or expected in wide
+
+
+def _cast(env, out, expected):
+  jax = runtime.jax_module()
+  is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
+  leaves, treedef = jax.tree.flatten(out, is_leaf=is_tensor)
+  if len(leaves) != len(expected):
+    return out
+  cast = [_to(env, leaf, dtype) if dtype is not None and is_tensor(leaf) else leaf
+          for leaf, dtype in zip(leaves, expected)]
+  return treedef.unflatten(cast)
+
+
+def _to(env, tensor, dtype):
+  if not hasattr(tensor, "jax") or not _differs_from_torch(tensor.dtype, dtype):
+    return tensor  # a view keeps its base's dtype
+  jax = runtime.jax_module()
+  target = jax.dtypes.canonicalize_dtype(dtypes.to_jax(dtype))
+  array = tensor.jax()
+  if array.dtype == target:
+    return tensor
+  return type(tensor)(array.astype(target), env)

@@ -67,6 +67,34 @@ _MORE = {  # (config class, model class, config keywords beyond _SMALL)
 }
 
 
+# held out beyond the first list: their routers pick experts with `topk` and `one_hot` (int64
+# indices only) and loop over the experts hit; GPT-J keeps its rotary table as a plain tensor
+_LATER = {  # (config class, model class, config keywords beyond _SMALL)
+    "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(
+        intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=2,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        max_position_embeddings=64)),
+    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
+        intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2,
+        max_position_embeddings=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_experts_per_tok=2, num_experts=4)),
+    "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM, dict(
+        intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts_per_tok=2, num_experts=4)),
+    "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM, dict(
+        intermediate_size=16, num_hidden_layers=2, num_key_value_heads=2,
+        max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _gptj(layerdrop=0.0):
+  return tf.GPTJForCausalLM(tf.GPTJConfig(
+      vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_inner=48,
+      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
 def _distilbert(layerdrop=0.0):
   return tf.DistilBertForMaskedLM(tf.DistilBertConfig(
       vocab_size=VOCAB, dim=32, hidden_dim=48, n_layers=2, n_heads=4, max_position_embeddings=64,
@@ -88,9 +116,9 @@ _GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
 # name -> (model maker, what the labels are)
 MODELS = {"bart": (_bart, "seq2seq"), "opt": (_opt, "lm"), "roberta": (_roberta, "class"),
           "t5": (_t5, "seq2seq"), "pegasus": (_pegasus, "seq2seq"),
-          "distilbert": (_distilbert, "lm"),
+          "distilbert": (_distilbert, "lm"), "gptj": (_gptj, "lm"),
           **{name: (lambda layerdrop=0.0, c=c, m=m, kw=kw: m(c(**_SMALL, **kw)), "lm")
-             for name, (c, m, kw) in _MORE.items()},
+             for name, (c, m, kw) in {**_MORE, **_LATER}.items()},
           **{name: (lambda layerdrop=0.0, c=c, m=m: m(c(**_GQA)), "lm")
              for name, (c, m, _) in DECODERS.items()}}
 

@@ -106,3 +106,16 @@ def test_bridge_modules_by_class_name_with_backward_and_a_torch_optimizer():
   assert all(r is not None and r.status == "bridged" for r in rows)
   state = copy.deepcopy(moved).state_dict()  # a bridged model copies, its state as before
   assert state.keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("name", [
+    "deepseek_v3", *[pytest.param(name, marks=pytest.mark.slow)
+                     for name in ("qwen2_moe", "olmoe", "granitemoe", "gptj")]])
+def test_mixture_of_experts_and_gptj_train_as_eager(name):
+  """DeepSeek-V3's router one-hot encodes its `topk` indices (int64 only: inside bridged code
+  they are int64, as in torch); the experts' loops over `torch.where(mask)` fall back, as does
+  GPT-J's rotary table (a plain tensor attribute): the values are eager's."""
+  eager, losses, eager_norms, norms = heldout.train_steps(name, steps=1)
+  assert losses == pytest.approx(eager, rel=1e-5)
+  assert norms == pytest.approx(eager_norms, rel=1e-4)
+  assert "one_hot" not in step_row().reason

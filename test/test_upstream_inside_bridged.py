@@ -1,4 +1,6 @@
 """torch_xla's own wrappers called inside bridged code: they work there, with LazyTensor's values."""
+import copy
+
 import pytest
 import torch
 import torch_xla
@@ -67,3 +69,54 @@ def test_torch_xla_scan_layers_inside_bridged_code_names_the_replacement(dev):
   with pytest.warns(jb.errors.FallbackWarning):  # by default it falls back: LazyTensor's values
     torch.testing.assert_close(jb.bridge(fn)(torch.ones(2, 8, device=dev)).cpu(),
                                fn(torch.ones(2, 8, device=dev)).cpu())
+
+
+class ScannedByUpstream(torch.nn.Module):
+  """A model whose layers torch_xla's own `scan_layers` runs (torchprime's `scan` option)."""
+
+  def __init__(self):
+    super().__init__()
+    torch.manual_seed(0)
+    self.layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+    self.head = torch.nn.Linear(8, 1)
+
+  def forward(self, x):
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    return self.head(scan_layers(self.layers, x)).sum()
+
+  def eager(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return self.head(x).sum()
+
+
+def test_torch_xla_scan_layers_in_a_train_step_falls_back_with_eagers_values(dev):
+  """The step cannot trace upstream's scan; in the plain run its layers (bridged by class, as a
+  fallback does) are traced by upstream's AOTAutograd, where they run as plain torch code."""
+  model = ScannedByUpstream()
+  moved = copy.deepcopy(model).to(dev)
+  step = jb.train_step(lambda x: moved(x), jb.optim.SGD(moved.parameters(), lr=0.1))
+  x = torch.randn(4, 8)
+  with pytest.warns(jb.errors.FallbackWarning, match="scan_layers cannot run inside bridged code"):
+    loss = step(x.to(dev))
+  expected = model.eager(x)
+  expected.backward()
+  torch.testing.assert_close(loss.cpu(), expected.detach())
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.detach().cpu(), q.detach() - 0.1 * q.grad)
+
+
+def test_a_bridged_function_as_torch_xla_scan_body_runs_as_plain_code(dev):
+  from torch_xla.experimental.scan import scan
+
+  step = jb.bridge(lambda carry, x: (torch.tanh(carry + x), carry * 2))
+  init, xs = torch.ones(3), torch.linspace(-1, 1, 12).reshape(4, 3)
+  carry, ys = scan(step, init.to(dev), xs.to(dev))
+  expected_carry, expected_ys = init, []
+  for x in xs:
+    expected_carry, y = torch.tanh(expected_carry + x), expected_carry * 2
+    expected_ys.append(y)
+  torch.testing.assert_close(carry.cpu(), expected_carry)
+  torch.testing.assert_close(ys.cpu(), torch.stack(expected_ys))

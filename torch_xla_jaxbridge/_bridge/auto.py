@@ -16,6 +16,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
+from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import modules
 
 # (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
@@ -165,7 +166,8 @@ def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
     >>> bridged_forward(layer, Settings("layer"), torch.ones(1, 2, device="xla")).shape
     torch.Size([1, 2])
   """
-  if settings.in_line_when_traced and _any_traced((args, kwargs)):
+  if (settings.in_line_when_traced and _any_traced((args, kwargs))
+      or torch_private.torch_tracer_active()):  # traced by torch (torch_xla's scan): plain code
     return type(module).forward(module, *args, **kwargs)
   return bridge_of(module, settings)(*args, **kwargs)
 

@@ -15,6 +15,7 @@ from torch_xla_jaxbridge._bridge import captures, inline, rollback, stateful, vj
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge import spec as spec_
 from torch_xla_jaxbridge._bridge.spec import Layout, Static, register_static_pytree
+from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import call, rng, runtime, tracing
 
 
@@ -51,6 +52,8 @@ class Bridged:
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
+    if torch_private.torch_tracer_active():  # traced by torch (torch_xla's scan): plain code
+      return self.fn(*args, **kwargs)
     if _any_traced((args, kwargs)):  # called inside bridged code: run in the enclosing trace
       return inline.run_inline(self, args, kwargs, seed)
     if self.fallback is None:

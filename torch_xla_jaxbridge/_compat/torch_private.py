@@ -307,3 +307,22 @@ def functorch_transforms_active() -> bool:
     (False, True)
   """
   return torch._C._are_functorch_transforms_active()
+
+
+def torch_tracer_active() -> bool:
+  """Whether torch code is being traced by torch's own machinery in this thread: a fake-tensor,
+  functionalization or proxy (`make_fx`) dispatch mode, or a `torch.func` transform, as
+  AOTAutograd sets up (torch_xla's `scan` and `scan_layers` trace their body with it). Bridged
+  code called there runs as plain torch code. Public alternative: none.
+
+  Example:
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode():
+    ...   inside = torch_tracer_active()
+    >>> torch_tracer_active(), inside
+    (False, True)
+  """
+  mode = torch._C._get_dispatch_mode
+  keys = torch._C._TorchDispatchModeKey
+  return (torch._C._are_functorch_transforms_active() or mode(keys.FAKE) is not None
+          or mode(keys.FUNCTIONAL) is not None or mode(keys.PROXY) is not None)

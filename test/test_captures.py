@@ -5,6 +5,7 @@ import collections
 import copy
 import functools
 import types
+import warnings
 
 import pytest
 import torch
@@ -426,3 +427,92 @@ def test_a_forward_that_counts_its_calls_counts_each_call(dev):
   outputs = [bridged(x).detach().cpu() for _ in range(3)]
   assert model.calls == 3
   torch.testing.assert_close(outputs[2], outputs[0] * 3)
+
+
+class RotaryTable(torch.nn.Module):
+  """GPT-J's pattern: a table held as a plain tensor attribute (not a buffer), made on the CPU,
+  moved to the input's device inside `forward` and stored back."""
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(4, 4)
+    self.table = torch.linspace(-1, 1, 64).reshape(16, 4)
+
+  def forward(self, x, positions):
+    table = self.table
+    if table.device != positions.device:
+      table = table.to(positions.device)
+      self.table = table
+    return self.proj(x) * table[positions]
+
+
+@pytest.mark.parametrize("entry", ["BridgeModule", "bridge_modules", "train_step"])
+def test_a_plain_tensor_attribute_is_an_input_and_the_call_stays_bridged(dev, entry):
+  torch.manual_seed(0)
+  model = RotaryTable()
+  moved = copy.deepcopy(model).to(dev)  # `.to` moves parameters and buffers, not the table
+  x, positions = torch.randn(3, 4), torch.tensor([0, 5, 15])
+  expected = model(x, positions)
+  expected.sum().backward()
+  before = jb.bridge_report()
+  if entry == "bridge_modules":
+    jb.bridge_modules(moved, [RotaryTable])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jb.errors.FallbackWarning)
+    for _ in range(2):  # the second call reuses the first one's trace and device copy
+      if entry == "train_step":
+        moved.zero_grad()
+        step = jb.train_step(lambda a, p: moved(a, p).sum(),
+                             jb.optim.SGD(moved.parameters(), lr=0.0))
+        out = step(x.to(dev), positions.to(dev))
+        torch.testing.assert_close(out.cpu(), expected.sum().detach())
+        continue
+      called = jb.BridgeModule(moved) if entry == "BridgeModule" else moved
+      moved.zero_grad()
+      out = called(x.to(dev), positions.to(dev))
+      out.sum().backward()
+      torch.testing.assert_close(out.cpu(), expected)
+      torch.testing.assert_close(moved.proj.weight.grad.cpu(), model.proj.weight.grad)
+  assert all(r.status == "bridged" for r in jb.bridge_report(since=before).rows)
+  assert moved.table.device.type == "cpu"  # read as an input: the forward did not move it
+
+
+def test_an_xla_tensor_attribute_updated_in_place_is_read_fresh(dev):
+  layer = torch.nn.Linear(2, 2).to(dev)
+  layer.scale = torch.tensor(2.0, device=dev)  # a plain attribute, not a buffer
+
+  class Scaled(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.layer = layer
+
+    def forward(self, x):
+      return self.layer(x) * self.layer.scale
+
+  bridged = jb.BridgeModule(Scaled())
+  x = torch.ones(1, 2, device=dev)
+  first = bridged(x).cpu()
+  layer.scale.fill_(3.0)
+  torch.testing.assert_close(bridged(x).cpu(), first * 1.5)
+
+
+class Remembers(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(2, 2)
+    self.last = torch.zeros(1, 2)
+
+  def forward(self, x):
+    out = self.lin(x)
+    self.last = out.detach()
+    return out
+
+
+def test_a_forward_assigning_a_tensor_attribute_falls_back_and_keeps_the_assignment(dev):
+  moved = Remembers().to(dev)
+  moved.last = moved.last.to(dev)
+  x = torch.ones(1, 2, device=dev)
+  with pytest.warns(jb.errors.FallbackWarning, match="assigned a new value to the tensor "
+                                                     "attribute `last`"):
+    out = jb.BridgeModule(moved)(x)
+  torch.testing.assert_close(moved.last.cpu(), out.detach().cpu())

@@ -26,7 +26,6 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import places, reach
 from torch_xla_jaxbridge._bridge.places import ARG, KWARG
 from torch_xla_jaxbridge._bridge.reach import SELF
-from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import modules, runtime, threads, tracing
 
 
@@ -267,12 +266,11 @@ def _call_with(fn, lifted, args, kwargs):
       if kind == "value":  # read by the code where it is
         continue
       module = scene.read(where)
-      for names, table in ((params, torch_private.parameters_table),
-                           (buffers, torch_private.buffers_table)):
-        for full in names:
-          prefix, _, leaf = full.rpartition(".")
-          places.swap(scene.placed, f"{name}.{full}", table(module.get_submodule(prefix)), leaf,
-                      next(tensors))
+      for full in params + buffers:
+        prefix, _, leaf = full.rpartition(".")
+        places.swap(scene.placed, f"{name}.{full}",
+                    modules.holding_table(module.get_submodule(prefix), leaf), leaf,
+                    next(tensors))
     scene.place(pending)
     outputs = scene.run(args, kwargs)
     _check_not_reassigned(fn, scene.placed)

@@ -326,3 +326,17 @@ def torch_tracer_active() -> bool:
   keys = torch._C._TorchDispatchModeKey
   return (torch._C._are_functorch_transforms_active() or mode(keys.FAKE) is not None
           or mode(keys.FUNCTIONAL) is not None or mode(keys.PROXY) is not None)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+  """A tensor's version counter: it changes with every in-place update of its data. Public
+  alternative: none (`torch.Tensor._version`).
+
+  Example:
+    >>> t = torch.zeros(1)
+    >>> before = tensor_version(t)
+    >>> _ = t.add_(1)
+    >>> tensor_version(t) > before
+    True
+  """
+  return tensor._version

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import plain
 
@@ -78,13 +79,31 @@ def module_forward(module, params, buffers, training, args, kwargs, hooks=True):
   try:
     for sub, mode in zip(subs, training):
       sub.training = mode
-    if not hooks:
-      with torch_private.reparametrized(module, {**params, **buffers}):
-        return type(module).forward(module, *args, **(kwargs or {}))
-    return torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=False)
+    with torch_private.reparametrized(module, {**params, **buffers}):
+      if hooks:
+        out = module(*args, **(kwargs or {}))
+      else:
+        out = type(module).forward(module, *args, **(kwargs or {}))
+      _check_attributes_kept(module, buffers)
+      return out
   finally:
     for sub, mode in zip(subs, before):
       sub.training = mode
+
+
+def _check_attributes_kept(module, buffers):
+  """A forward that assigned a new tensor to a plain tensor attribute it was given: the
+  assignment would be undone with the module's state, so it is an error (the region falls back,
+  and the plain run keeps it)."""
+  for full, given in buffers.items():
+    prefix, _, leaf = full.rpartition(".")
+    sub = module.get_submodule(prefix)
+    table = holding_table(sub, leaf)
+    if table is vars(sub) and table.get(leaf) is not given:
+      raise errors.MutationError(
+          f"{type(module).__name__}: its forward assigned a new value to the tensor attribute "
+          f"`{full}`, which the bridged call reads as an input; the assignment cannot leave the "
+          f"trace. Update it in place (`.copy_(new)`), register it as a buffer, or return it.")
 
 
 class Calling:
@@ -157,6 +176,9 @@ def structure_key(module, same_objects=True):
   for name, sub in module.named_modules():
     attrs = []
     for name_, value in _attributes(sub):
+      if isinstance(value, torch.Tensor):  # a plain tensor attribute: an input, as a buffer
+        attrs.append((name_, (torch.Tensor, tuple(value.shape), value.dtype)))
+        continue
       try:
         attrs.append((name_, plain.key(value, contents=True)))
       except plain.NotPlain:
@@ -195,7 +217,8 @@ class StateWalk:
     # so a walk kept as a weak dictionary's value never keeps its key alive
     self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub),
                      tuple(torch_private.parameters_table(sub)),
-                     tuple(torch_private.buffers_table(sub)), *_children(sub))
+                     tuple(torch_private.buffers_table(sub)), _tensor_attributes(sub),
+                     *_children(sub))
                     for prefix, sub in named]
     # the submodules holding plain values, and a reader of them (with `training`, always there,
     # so that it reads a tuple): `settings()`
@@ -245,7 +268,7 @@ class StateWalk:
     params, buffers, training = {}, {}, []
     parameters_table, buffers_table = torch_private.parameters_table, torch_private.buffers_table
     children_table = torch_private.children_table
-    for prefix, ref, param_keys, buffer_keys, child_keys, child_ids in self.entries:
+    for prefix, ref, param_keys, buffer_keys, attributes, child_keys, child_ids in self.entries:
       sub = ref()
       if sub is None:  # a submodule replaced and freed
         return None
@@ -261,7 +284,55 @@ class StateWalk:
       for key, value in held.items():
         if value is not None:
           buffers[prefix + key] = value
+      for key in attributes:
+        value = vars(sub).get(key)
+        if not isinstance(value, torch.Tensor):  # no longer a tensor: walk again
+          return None
+        buffers[prefix + key] = value if value.is_xla else _on_device(value, params)
     return params, buffers, tuple(training)
+
+
+def _tensor_attributes(module):
+  """The names of the tensors a module holds as plain attributes (not parameters or buffers),
+  such as GPT-J's rotary table: read with its buffers, by name (`holding_table`)."""
+  return tuple(k for k, v in vars(module).items() if isinstance(v, torch.Tensor))
+
+
+_DEVICE_COPIES: dict = {}  # id of a CPU tensor -> (weak reference to it, its version, XLA copy)
+
+
+def _on_device(tensor, params):
+  """The XLA copy of a CPU tensor attribute, made once per version of it (a forward that moves
+  it, as GPT-J's does, finds it moved; plain torch_xla moves it on the first call). The copy
+  goes with the tensor."""
+  version = torch_private.tensor_version(tensor)
+  found = _DEVICE_COPIES.get(id(tensor))
+  if found is None or found[0]() is not tensor or found[1] != version:
+    device = next((p.device for p in params.values() if p.is_xla), None)
+    if device is None:
+      import torch_xla
+      device = torch_xla.device()
+    key = id(tensor)
+    gone = lambda _, key=key: _DEVICE_COPIES.pop(key, None)  # noqa: E731
+    found = _DEVICE_COPIES[key] = (weakref.ref(tensor, gone), version,
+                                   tensor.detach().to(device))
+  return found[2]
+
+
+def holding_table(module, name):
+  """The table a tensor of `module` named `name` (no dots) lives in: its parameters, its buffers,
+  or, for a plain tensor attribute, its `__dict__`.
+
+  Example:
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> lin.table = torch.ones(2)
+    >>> holding_table(lin, "table") is vars(lin), holding_table(lin, "weight") is vars(lin)
+    (True, False)
+  """
+  for table in (torch_private.parameters_table(module), torch_private.buffers_table(module)):
+    if name in table:
+      return table
+  return vars(module)
 
 
 def _children(module):

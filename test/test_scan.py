@@ -301,3 +301,68 @@ def test_partition_fn_and_remat_are_one_choice(dev):
     jb.scan_layers(layers, torch.ones(2, device=dev), default_partition, remat="full")
   with pytest.raises(jb.errors.BadArgumentError, match="is not one this package maps"):
     jb.scan_layers(layers, torch.ones(2, device=dev), partition_fn=lambda *a: a)
+
+
+class Indexed(torch.nn.Module):
+  """A layer that knows its index (as Hugging Face's attention does, for its cache) and a scale
+  that, when `reads_scale`, its forward reads."""
+
+  def __init__(self, index, reads_scale=False):
+    super().__init__()
+    self.lin = torch.nn.Linear(6, 6)
+    self.layer_idx, self.scale, self.reads_scale = index, float(index + 1), reads_scale
+
+  def forward(self, x):
+    out = torch.tanh(self.lin(x))
+    return out * self.scale if self.reads_scale else out
+
+
+def test_layers_differing_only_in_attributes_their_forward_never_reads_are_scanned(dev):
+  torch.manual_seed(0)
+  layers = [Indexed(i) for i in range(4)]
+  unrolled_vs_scanned(layers, torch.randn(3, 6), dev)
+  stacked_vs_unrolled([copy.deepcopy(l) for l in layers], torch.randn(3, 6), dev)
+
+
+@pytest.mark.parametrize("kind", ["scan_layers", "StackedLayers"])
+def test_layers_differing_in_an_attribute_their_forward_reads_are_refused_naming_it(dev, kind):
+  torch.manual_seed(0)
+  layers = [Indexed(i, reads_scale=True).to(dev) for i in range(3)]
+  run = (lambda x: jb.scan_layers(layers, x)) if kind == "scan_layers" else (
+      jb.StackedLayers(layers).to(dev))  # made: the check waits for the traced forward
+  with pytest.raises(jb.errors.BadValueError,
+                     match=r"layers\[1\] 'scale' is 2.0, but in layers\[0\] it is 1.0, and the "
+                           r"layer's forward reads it"):
+    run(torch.ones(2, 6, device=dev))
+  assert type(layers[0]) is Indexed  # the recording class is gone after the trace
+
+
+@pytest.mark.parametrize("backward", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_hugging_face_decoder_layers_differing_in_layer_idx_are_scanned(dev, backward):
+  """Llama's decoder layers hold their own `self_attn.layer_idx`, read only with a cache."""
+  import transformers as tf
+
+  torch.manual_seed(0)
+  config = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=3, vocab_size=16,
+                          attn_implementation="eager")
+  model = tf.LlamaModel(config)
+  layers = list(model.layers)
+  assert [l.self_attn.layer_idx for l in layers] == [0, 1, 2]
+  x = torch.randn(2, 5, 32)
+  positions = torch.arange(5)[None].expand(2, 5)
+  cos, sin = model.rotary_emb(x, positions)
+  expected = x
+  for layer in layers:
+    expected = layer(expected, position_embeddings=(cos, sin))
+  moved = [copy.deepcopy(l).to(dev) for l in layers]
+  out = jb.scan_layers(moved, x.to(dev),
+                       shared_kwargs={"position_embeddings": (cos.to(dev), sin.to(dev))})
+  torch.testing.assert_close(out.cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+  if not backward:
+    return
+  expected.pow(2).sum().backward()
+  out.pow(2).sum().backward()
+  for layer, ref in zip(moved, layers):  # each layer's own gradients, in training mode
+    for (name, p), (_, r) in zip(layer.named_parameters(), ref.named_parameters()):
+      assert rel_err(p.grad, r.grad) < 1e-4, name

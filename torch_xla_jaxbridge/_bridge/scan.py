@@ -17,13 +17,15 @@ from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._bridge import layer_check
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
-from torch_xla_jaxbridge._core import call, modules, runtime, sharding, tracing
+from torch_xla_jaxbridge._core import attribute_reads, call, modules, runtime, sharding, tracing
 
 # The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
 # no layer), and kept as long as the first layer of one of them lives: each first layer holds its
 # stack's in `_BY_LAYER` (a stack whose structure has no key has its own).
 _BY_STRUCTURE = weakref.WeakValueDictionary()
 _BY_LAYER = weakref.WeakKeyDictionary()  # first layer -> {(structure, remat): Bridged}
+# first layer -> the attributes that differ between its stack's layers (`layer_check.identical`)
+_DIFFERENCES = weakref.WeakKeyDictionary()
 
 
 def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn: Any = None,
@@ -64,6 +66,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn
   params, buffers, training = stack.state()
   template = stack.template()
   bridged = _bridged_scan(template, stack.structure, remat)
+  layer_check.refuse_read(stack.differences, bridged.fn.reads)  # read by an earlier trace
   return bridged.fn.run_for(template, bridged, len(layers), params, buffers, training,
                             input_data, tuple(shared_args), shared_kwargs or {})
 
@@ -95,7 +98,7 @@ class _LayerStack:
     return stack
 
   def __init__(self, layers):
-    layer_check.identical(layers)
+    self.differences = _DIFFERENCES[layers[0]] = layer_check.identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
     self.walks = [modules.StateWalk(l) for l in layers]
     self.layouts = [walk.walks for walk in self.walks]
@@ -126,7 +129,8 @@ class _LayerStack:
     return dict(zip(names, stacked)), dict(zip(buffer_names, stacked_buffers)), states[0][2]
 
   def _check(self):
-    layer_check.identical([ref() for ref in self.refs])
+    self.differences = _DIFFERENCES[self.refs[0]()] = layer_check.identical(
+        [ref() for ref in self.refs])
 
   def unstack(self, stacked):
     """The stacking's backward (`_unstack`), traced for this stack: its programs die with it."""
@@ -179,11 +183,12 @@ class StackedLayers(torch.nn.Module):
     layers = list(layers)
     if not layers:
       raise errors.BadArgumentError("StackedLayers: layers is empty; give at least one layer.")
-    layer_check.identical(layers, "StackedLayers")
+    differences = layer_check.identical(layers, "StackedLayers")
     layer_check.unshared(layers)
     remat_policies.policy_for(remat)  # validates `remat`
     self.count, self.remat = len(layers), remat
     self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
+    self.differences = _DIFFERENCES[self.layer] = differences
     stacked = {}  # a tensor tied between two names stays one stack
     for table in (torch_private.parameters_table, torch_private.buffers_table):
       for name, sub in self.layer.named_modules(remove_duplicate=False):
@@ -202,6 +207,7 @@ class StackedLayers(torch.nn.Module):
     params, buffers, training = self._walk.state()
     bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
                             self.remat)
+    layer_check.refuse_read(self.differences, bridged.fn.reads, "StackedLayers")
     return bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
                               shared_args, shared_kwargs)
 
@@ -287,15 +293,21 @@ def _unstack(stacked):
 
 class _ScanLayers(modules.Calling):
   """The bridged torch function of the stacks of one structure: `_scan` of the stack being
-  called (its first layer named by `run_for`)."""
-  __slots__ = ("policy",)
+  called (its first layer named by `run_for`). `reads`: the attributes its traces read."""
+  __slots__ = ("policy", "reads")
 
   def __init__(self, policy):
     super().__init__()
     self.policy = policy
+    self.reads: set = set()
 
   def __call__(self, *args):
-    return _scan(self.module(), self.policy, *args)
+    template = self.module()
+    with attribute_reads.attribute_reads(template) as reads:
+      out = _scan(template, self.policy, *args)
+    self.reads |= reads
+    layer_check.refuse_read(_DIFFERENCES.get(template, {}), reads)
+    return out
 
 
 def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):

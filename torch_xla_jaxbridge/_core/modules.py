@@ -20,9 +20,14 @@ from torch_xla_jaxbridge._core import plain
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training"}
 
 
-def _attributes(module):
+def own_attributes(module):
   """`(name, value)` of a module's own attributes, sorted, without torch's bookkeeping (and the
-  bridge's own `forward`)."""
+  bridge's own `forward`).
+
+  Example:
+    >>> own_attributes(torch.nn.Linear(2, 3))
+    [('in_features', 2), ('out_features', 3)]
+  """
   return sorted((k, v) for k, v in vars(module).items()
                 if k not in _MODULE_INTERNALS and not isinstance(v, BridgedForward))
 
@@ -33,7 +38,7 @@ _SETTINGS = (bool, int, float, complex, str)
 
 def _setting_names(module):
   """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
-  return tuple(k for k, v in _attributes(module) if type(v) in _SETTINGS)
+  return tuple(k for k, v in own_attributes(module) if type(v) in _SETTINGS)
 
 
 class Settings:
@@ -175,7 +180,7 @@ def structure_key(module, same_objects=True):
   parts = []
   for name, sub in module.named_modules():
     attrs = []
-    for name_, value in _attributes(sub):
+    for name_, value in own_attributes(sub):
       if isinstance(value, torch.Tensor):  # a plain tensor attribute: an input, as a buffer
         attrs.append((name_, (torch.Tensor, tuple(value.shape), value.dtype)))
         continue
@@ -365,7 +370,7 @@ def attribute_differences(first, other):
   differ = []
   subs = dict(other.named_modules())
   for path, sub in first.named_modules():
-    mine, theirs = dict(_attributes(sub)), dict(_attributes(subs[path]))
+    mine, theirs = dict(own_attributes(sub)), dict(own_attributes(subs[path]))
     for name in sorted(set(mine) | set(theirs), key=lambda n: (n.startswith("_"), n)):
       if name not in mine or name not in theirs or not _same(mine[name], theirs[name]):
         differ.append(f"{path}.{name}" if path else name)

@@ -508,3 +508,24 @@ def test_bridged_code_sees_the_xla_device_of_its_inputs(dev):
 
   x = torch.arange(3.0, device=dev)
   assert jb.bridge(scaled)(x).cpu().tolist() == [0.0, 2.0, 4.0]
+
+
+def test_as_strided_scatters_gradient_is_the_true_one_where_torchs_own_is_not(dev):
+  """torch's autograd formula for `as_strided_scatter` with a strided view gives the input a
+  gradient at the overwritten positions and none at the kept ones (its gradcheck fails; plain
+  torch_xla inherits it); JAX's gradient of the scatter is the derivative. Checked against
+  finite differences in float64."""
+  torch.manual_seed(0)
+  t, s = torch.randn(6, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+
+  def loss(t, s):
+    return torch.as_strided_scatter(t, s, (3,), (2,), 0).pow(2).sum()
+
+  step = 1e-6 * torch.eye(6, dtype=torch.float64)
+  numeric = torch.tensor([(loss(t + step[i], s) - loss(t - step[i], s)).item() / 2e-6
+                          for i in range(6)], dtype=torch.float64)
+  assert not torch.autograd.gradcheck(lambda t: loss(t, s), (t.clone().requires_grad_(),),
+                                      raise_exception=False)
+  moved = t.to(dev).requires_grad_()
+  jb.bridge(loss, fallback=False)(moved, s.to(dev)).backward()
+  torch.testing.assert_close(moved.grad.cpu(), numeric, rtol=1e-6, atol=1e-6)

@@ -126,3 +126,17 @@ def test_jax_code_written_for_32_bit_mode_inside_bridged_code_still_runs(dev):
   out, index = bridged(X.to(dev))
   torch.testing.assert_close(out.cpu(), X * (X.argmax(-1).int() - torch.arange(4)).unsqueeze(-1))
   assert index.dtype == torch.int32 and not bridged.x64
+
+
+def test_allclose_gives_a_python_bool_as_torch_does(dev):
+  """A bool depends on the values: the region falls back (as for `.item()`), and the code that
+  branches on it runs as in plain torch_xla."""
+  def pick(a, b):
+    return a * 2 if torch.allclose(a, b) else a - b
+
+  bridged = jb.bridge(pick)
+  with pytest.warns(jb.errors.FallbackWarning, match="DataDependentError"):
+    same = bridged(X.to(dev), X.to(dev))
+  torch.testing.assert_close(same.cpu(), X * 2)
+  torch.testing.assert_close(bridged(X.to(dev), (X + 1).to(dev)).cpu(), X - (X + 1))
+  assert jb.bridge(lambda a: torch.allclose(a, a))(X.to(dev)) is True

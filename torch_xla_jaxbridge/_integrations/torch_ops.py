@@ -2,7 +2,8 @@
 
 Always on, registered with `tracing` on import: `F.linear` (for the form of its weight
 gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
-lacks the second) and `F.scaled_dot_product_attention` (torch's math form, every argument).
+lacks the second), `F.scaled_dot_product_attention` (torch's math form, every argument) and
+`torch.allclose` (a Python bool, as torch returns).
 Batch norm has its own module (`batch_norm`).
 """
 import math
@@ -182,7 +183,24 @@ def _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_g
         f"value must divide the number of heads in query.")
 
 
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+  """`torch.allclose` as torch gives it: a Python bool, which depends on the values, so inside a
+  trace it is data-dependent (the region falls back, as for `.item()`) where torchax's gave a
+  tensor.
+
+  Example:
+    >>> import warnings
+    >>> from torch_xla_jaxbridge import bridge
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter("ignore")
+    ...   bridge(lambda t: torch.allclose(t, t))(torch.ones(2, device="xla"))
+    True
+  """
+  return bool(torch.isclose(input, other, rtol, atol, equal_nan).all())
+
+
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.allclose, allclose)
 tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
 tracing.register_op_override(torch.ops.aten.frobenius_norm.dim, frobenius_norm)
 tracing.register_op_override(torch.nn.functional.scaled_dot_product_attention,

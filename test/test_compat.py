@@ -367,3 +367,39 @@ def test_torchax_tensors_report_their_device_through_a_property():
   with tracing.torch_code():
     tensor = tracing.to_torchax(jax.numpy.ones(2))
     assert tensor.device == torch_xla.device() and tensor[:1].device.type == "xla"
+
+
+def test_torch_tracer_active_under_fake_functional_and_functorch_modes():
+  from torch._subclasses.fake_tensor import FakeTensorMode
+  from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+  assert not torch_private.torch_tracer_active()
+  with FakeTensorMode():
+    assert torch_private.torch_tracer_active()
+  with FunctionalTensorMode():
+    assert torch_private.torch_tracer_active()
+  seen = []
+  torch.func.grad(lambda x: (seen.append(torch_private.torch_tracer_active()), x.sum())[1])(
+      torch.ones(2))
+  assert seen == [True]
+
+
+def test_tensor_version_counts_in_place_updates():
+  t = torch.zeros(2)
+  before = torch_private.tensor_version(t)
+  t.mul_(2)
+  t[0] = 1.0
+  assert torch_private.tensor_version(t) == before + 2
+
+
+def test_holds_pallas_kernel_finds_a_kernel_nested_in_a_jit():
+  from jax.experimental import pallas as pl
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  kernel = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct((8,), jax.numpy.float32),
+                          interpret=True)
+  nested = jax.make_jaxpr(lambda x: jax.jit(kernel)(x) + 1)(jax.numpy.ones(8))
+  assert jax_private.holds_pallas_kernel(nested)
+  assert not jax_private.holds_pallas_kernel(jax.make_jaxpr(lambda x: x * 2)(1.0))

@@ -24,8 +24,6 @@ from torch_xla_jaxbridge._core import attribute_reads, call, modules, runtime, s
 # stack's in `_BY_LAYER` (a stack whose structure has no key has its own).
 _BY_STRUCTURE = weakref.WeakValueDictionary()
 _BY_LAYER = weakref.WeakKeyDictionary()  # first layer -> {(structure, remat): Bridged}
-# first layer -> the attributes that differ between its stack's layers (`layer_check.identical`)
-_DIFFERENCES = weakref.WeakKeyDictionary()
 
 
 def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn: Any = None,
@@ -66,9 +64,10 @@ def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn
   params, buffers, training = stack.state()
   template = stack.template()
   bridged = _bridged_scan(template, stack.structure, remat)
-  layer_check.refuse_read(stack.differences, bridged.fn.reads)  # read by an earlier trace
-  return bridged.fn.run_for(template, bridged, len(layers), params, buffers, training,
-                            input_data, tuple(shared_args), shared_kwargs or {})
+  out = bridged.fn.run_for(template, bridged, len(layers), params, buffers, training,
+                           input_data, tuple(shared_args), shared_kwargs or {})
+  layer_check.refuse_read(stack.differences, bridged.fn.reads)  # what its traces read
+  return out
 
 
 class _LayerStack:
@@ -98,7 +97,7 @@ class _LayerStack:
     return stack
 
   def __init__(self, layers):
-    self.differences = _DIFFERENCES[layers[0]] = layer_check.identical(layers)
+    self.differences = layer_check.identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
     self.walks = [modules.StateWalk(l) for l in layers]
     self.layouts = [walk.walks for walk in self.walks]
@@ -129,8 +128,7 @@ class _LayerStack:
     return dict(zip(names, stacked)), dict(zip(buffer_names, stacked_buffers)), states[0][2]
 
   def _check(self):
-    self.differences = _DIFFERENCES[self.refs[0]()] = layer_check.identical(
-        [ref() for ref in self.refs])
+    self.differences = layer_check.identical([ref() for ref in self.refs])
 
   def unstack(self, stacked):
     """The stacking's backward (`_unstack`), traced for this stack: its programs die with it."""
@@ -188,7 +186,7 @@ class StackedLayers(torch.nn.Module):
     remat_policies.policy_for(remat)  # validates `remat`
     self.count, self.remat = len(layers), remat
     self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
-    self.differences = _DIFFERENCES[self.layer] = differences
+    self.differences = differences
     stacked = {}  # a tensor tied between two names stays one stack
     for table in (torch_private.parameters_table, torch_private.buffers_table):
       for name, sub in self.layer.named_modules(remove_duplicate=False):
@@ -207,9 +205,10 @@ class StackedLayers(torch.nn.Module):
     params, buffers, training = self._walk.state()
     bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
                             self.remat)
+    out = bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
+                             shared_args, shared_kwargs)
     layer_check.refuse_read(self.differences, bridged.fn.reads, "StackedLayers")
-    return bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
-                              shared_args, shared_kwargs)
+    return out
 
   def __len__(self):
     return self.count
@@ -306,7 +305,6 @@ class _ScanLayers(modules.Calling):
     with attribute_reads.attribute_reads(template) as reads:
       out = _scan(template, self.policy, *args)
     self.reads |= reads
-    layer_check.refuse_read(_DIFFERENCES.get(template, {}), reads)
     return out
 
 

@@ -5,9 +5,9 @@ torchax converts each aten op to JAX, whose dtype rules differ from torch's in p
 Library code checks dtypes (`one_hot` takes only int64), so every aten op's result is cast to
 the dtype torch gives for the same arguments, read from torch's meta kernels (shapes and dtypes,
 no data; once per op and argument dtypes), where the two differ in kind: integers, or 64-bit
-floats on one side. Bridged code is traced in JAX's 64-bit mode, so int64 and float64 exist; where a JAX
-function converts torch code in 32-bit mode (`jaxify` in the user's JAX), a 64-bit dtype stays
-its 32-bit form, as JAX has it.
+floats on one side. Bridged code is traced in JAX's 64-bit mode, so int64 and float64 exist;
+where a JAX function converts torch code in 32-bit mode (`jaxify` in the user's JAX), a 64-bit
+dtype stays its 32-bit form, as JAX has it.
 """
 import torch
 

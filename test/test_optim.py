@@ -177,12 +177,11 @@ def test_adamw_matches_torch_adamw_with_clip_grad_norm_and_lambda_lr(dev, case):
     assert sum(n > clip for n in ref_norms) >= 5
 
 
-def test_adamw_ten_steps_of_a_changing_lr_trace_once_and_compile_twice(dev):
+def test_adamw_ten_steps_of_a_changing_lr_trace_once_and_compile_once(dev):
   model = mlp(dev)
   opt = jb.optim.AdamW(two_groups(model, amsgrad=True), lr=0.01, max_grad_norm=0.5)
   schedule = torch.optim.lr_scheduler.LambdaLR(opt, jb.optim.warmup_cosine(3, 10))
-  compiles = met.metric_data("CompileTime")[0] if met.metric_data("CompileTime") else 0
-  lrs = []
+  compiles, lrs = [], []
   for step in range(10):
     opt.zero_grad()
     model(torch.full((2, 6), float(step)).to(dev)).square().mean().backward()
@@ -190,10 +189,11 @@ def test_adamw_ten_steps_of_a_changing_lr_trace_once_and_compile_twice(dev):
     lrs.append(opt.param_groups[0]["lr"])
     schedule.step()
     torch_xla.sync()
+    compiles.append(met.metric_data("CompileTime")[0])
   assert len(set(lrs)) == 10
   assert jb.cache_info().misses == 1  # the one trace of adamw_step
-  # the first step's graph makes the zero moments, later ones read them: two graphs in all
-  assert met.metric_data("CompileTime")[0] - compiles == 2
+  # the zero moments are device data before the first step: its graph is every later step's
+  assert compiles[-1] == compiles[0]
 
 
 def test_adamw_is_one_graph_node_and_its_grad_norm_needs_no_sync(dev):
@@ -201,15 +201,19 @@ def test_adamw_is_one_graph_node_and_its_grad_norm_needs_no_sync(dev):
   opt = jb.optim.AdamW(two_groups(model, lr=0.1, weight_decay=0.0), lr=0.01, max_grad_norm=1.0)
   schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # torch's own scheduler
   model(torch.ones(2, 6, device=dev)).sum().backward()
-  executions = met.metric_data("ExecuteTime")[0] if met.metric_data("ExecuteTime") else 0
+  opt.step()  # the first step also fills the new states with zeros on the device, once
+  schedule.step()
+  torch_xla.sync()
+  model(torch.ones(2, 6, device=dev)).sum().backward()
+  executions = met.metric_data("ExecuteTime")[0]
   opt.step()
   schedule.step()
-  assert (met.metric_data("ExecuteTime") or (0,))[0] == executions  # nothing ran on the device
+  assert met.metric_data("ExecuteTime")[0] == executions  # nothing ran on the device
   ir = torch_xla._XLAC._get_xla_tensors_text([*model.parameters(), opt.grad_norm])
   assert ir.count("xla::adamw_step") == 1  # both groups and the clipping: one node
   assert opt.grad_norm.device.type == "xla" and opt.grad_norm.shape == ()
   torch_xla.sync()
-  assert [g["lr"] for g in opt.param_groups] == [0.005, 0.05]
+  assert [g["lr"] for g in opt.param_groups] == [0.0025, 0.025]
 
 
 def test_adamw_state_dict_has_torch_layout_and_loads_into_torch_adamw_and_back(dev):

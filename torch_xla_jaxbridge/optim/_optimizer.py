@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._compat import torch_xla_private
 from torch_xla_jaxbridge._core import call, sharding
 from torch_xla_jaxbridge.optim._plan import Plan, make_plan
 from torch_xla_jaxbridge.optim._state import TorchLayout
@@ -134,6 +135,10 @@ class RuleOptimizer(TorchLayout):
     if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
                              self.init_state, flat=not sharding.spmd_enabled())
+      if self._plan.flat is not None and self._plan.created:
+        # zeros as device data, not pending zeros: the first step's program is then the next
+        # steps' program, compiled once (pending zeros, folded into it, made it a second one)
+        torch_xla_private.sync_tensors(self._plan.flat.buffers)
     plan = self._plan
     scalars: list[float] = []
     names: tuple = ()

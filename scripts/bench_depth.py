@@ -1,0 +1,122 @@
+"""Time to first step against depth: an unmodified Hugging Face Llama trained by plain torch_xla
+and by the package's adoptions, at several depths (issue: time to first step and depth).
+
+Model: `LlamaForCausalLM` (hidden 128, intermediate 256, 4 heads / 2 key-value heads, eager
+attention, vocabulary 1000, the config's defaults otherwise), batch 4 x 128 tokens, seed 0.
+Modes, each (mode, depth) in its own process, alternated over rounds:
+- `plain`: LazyTensor, `loss.backward()`, `torch.optim.AdamW`;
+- `by class`: `jb.bridge_modules(model, ["LlamaDecoderLayer"])`, then as `plain`;
+- `by class + jb AdamW`: the same with `jb.optim.AdamW` (the optimizer step as one node);
+- `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`.
+
+Per run: `step 1` (wall time of the first step, trace and compile included, waiting for the
+device), `warm-up` (wall time of the steps up to and including the last one that compiled:
+the time to the first steady step), the number of programs torch_xla compiled then, the steady
+step (median of the steps after warm-up) and every step's loss. Ratios are per round against
+`plain` at the same depth (mode / plain: below 1 is faster), then median [min-max].
+
+  python scripts/bench_depth.py [--layers 4 16 32] [--rounds 3] [--steps 5]
+      [--json scripts/out/bench_depth.json]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from harness import rounds, run_child, spread, table, write_json
+
+MODES = ["plain", "by class", "by class + jb AdamW", "train_step"]
+
+
+def child(mode, layers, steps):
+  import torch
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  import torch_xla.debug.metrics as met
+  import transformers
+
+  import torch_xla_jaxbridge as jb
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+  model = transformers.LlamaForCausalLM(config).to("xla")
+  ids = torch.randint(0, 1000, (4, 128)).to("xla")
+  if mode.startswith("by class"):
+    jb.bridge_modules(model, ["LlamaDecoderLayer"])
+  if mode == "train_step":
+    step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
+                         jb.optim.AdamW(model.parameters(), lr=1e-3))
+    run = lambda: step(model, ids)  # noqa: E731
+  else:
+    optimizer = (jb.optim.AdamW if mode.endswith("jb AdamW") else torch.optim.AdamW)(
+        model.parameters(), lr=1e-3)
+
+    def run():
+      loss = model(input_ids=ids, labels=ids).loss
+      loss.backward()
+      optimizer.step()
+      optimizer.zero_grad()
+      return loss
+
+  def compiles():
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+  torch_xla.sync()
+  xm.wait_device_ops()
+  walls, counts, losses = [], [], []
+  for _ in range(steps):
+    began = time.perf_counter()
+    loss = run()
+    torch_xla.sync()
+    xm.wait_device_ops()
+    walls.append(time.perf_counter() - began)
+    counts.append(compiles())
+    losses.append(loss.item())
+  last = max(i for i in range(steps) if counts[i] > (counts[i - 1] if i else 0))
+  return {"step1_s": walls[0], "warmup_s": sum(walls[:last + 1]), "compiles": counts[last],
+          "steady_ms": 1e3 * statistics.median(walls[last + 1:]) if last + 1 < steps else None,
+          "losses": losses}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--modes", nargs="+", default=MODES)
+  parser.add_argument("--json", default="scripts/out/bench_depth.json")
+  args = parser.parse_args()
+  cases = [(layers, mode) for layers in args.layers for mode in args.modes]
+  results = rounds(cases, args.rounds,
+                   lambda layers, mode: run_child(__file__, [mode, layers, args.steps]))
+  rows = []
+  for layers, mode in cases:
+    runs, plain = results[(layers, mode)], results[(layers, "plain")]
+    row = {"layers": layers, "mode": mode, "runs": runs,
+           "step1_s": spread(r["step1_s"] for r in runs),
+           "warmup_s": spread(r["warmup_s"] for r in runs),
+           "compiles": spread(r["compiles"] for r in runs),
+           "steady_ms": spread(r["steady_ms"] for r in runs),
+           "step1_x": spread(r["step1_s"] / p["step1_s"] for r, p in zip(runs, plain)),
+           "warmup_x": spread(r["warmup_s"] / p["warmup_s"] for r, p in zip(runs, plain)),
+           "steady_x": spread(r["steady_ms"] / p["steady_ms"] for r, p in zip(runs, plain)),
+           "loss_diff": max(abs(a - b) for r, p in zip(runs, plain)
+                            for a, b in zip(r["losses"], p["losses"]))}
+    rows.append(row)
+  print(table(rows, [("layers", "layers"), ("mode", "mode"), ("step 1 s", "step1_s"),
+                     ("x plain", "step1_x"), ("warm-up s", "warmup_s"), ("x plain", "warmup_x"),
+                     ("compiles", "compiles"), ("steady ms", "steady_ms"),
+                     ("x plain", "steady_x"), ("max loss diff", "loss_diff")]))
+  write_json(args.json, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["--child"]:
+    mode, layers, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    print(json.dumps(child(mode, layers, steps)))
+  else:
+    main()

@@ -337,17 +337,26 @@ def test_layers_differing_in_an_attribute_their_forward_reads_are_refused_naming
   assert type(layers[0]) is Indexed  # the recording class is gone after the trace
 
 
-@pytest.mark.parametrize("backward", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_hugging_face_decoder_layers_differing_in_layer_idx_are_scanned(dev, backward):
-  """Llama's decoder layers hold their own `self_attn.layer_idx`, read only with a cache."""
+def _hugging_face_layers(family):
+  """A 3-layer Hugging Face decoder of `family` (tiny, eager attention): its model and layers."""
   import transformers as tf
 
   torch.manual_seed(0)
-  config = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                          num_key_value_heads=2, num_hidden_layers=3, vocab_size=16,
-                          attn_implementation="eager")
-  model = tf.LlamaModel(config)
-  layers = list(model.layers)
+  config_class, model_class = {"llama": (tf.LlamaConfig, tf.LlamaModel),
+                               "qwen3": (tf.Qwen3Config, tf.Qwen3Model),
+                               "gemma": (tf.GemmaConfig, tf.GemmaModel)}[family]
+  config = config_class(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=3, vocab_size=16, head_dim=8,
+                        attn_implementation="eager")
+  model = model_class(config)
+  return model, list(model.layers)
+
+
+@pytest.mark.parametrize("backward", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_hugging_face_decoder_layers_differing_in_layer_idx_are_scanned(dev, family, backward):
+  """Their decoder layers hold their own `self_attn.layer_idx`, read only with a cache."""
+  model, layers = _hugging_face_layers(family)
   assert [l.self_attn.layer_idx for l in layers] == [0, 1, 2]
   x = torch.randn(2, 5, 32)
   positions = torch.arange(5)[None].expand(2, 5)
@@ -366,3 +375,21 @@ def test_hugging_face_decoder_layers_differing_in_layer_idx_are_scanned(dev, bac
   for layer, ref in zip(moved, layers):  # each layer's own gradients, in training mode
     for (name, p), (_, r) in zip(layer.named_parameters(), ref.named_parameters()):
       assert rel_err(p.grad, r.grad) < 1e-4, name
+
+
+def test_hugging_face_layers_with_and_without_a_sliding_window_are_refused_naming_it(dev):
+  """Qwen3 with sliding windows from its second layer on: the layers' programs differ."""
+  import transformers as tf
+
+  config = tf.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=3, vocab_size=16, head_dim=8,
+                          use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                          attn_implementation="eager")
+  model = tf.Qwen3Model(config).to(dev)
+  assert [l.self_attn.sliding_window for l in model.layers] == [None, 4, 4]
+  x = torch.randn(2, 5, 32, device=dev)
+  cos, sin = model.rotary_emb(x, torch.arange(5, device=dev)[None].expand(2, 5))
+  with pytest.raises(jb.errors.BadValueError, match=r"layers\[1\] 'self_attn\.sliding_window' "
+                                                    r"is 4, but in layers\[0\] it is None, and "
+                                                    r"the layer's forward reads it"):
+    jb.scan_layers(model.layers, x, shared_kwargs={"position_embeddings": (cos, sin)})

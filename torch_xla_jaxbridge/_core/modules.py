@@ -378,6 +378,10 @@ def attribute_differences(first, other):
 
 
 def _same(a, b):
+  if type(a) is functools.partial and type(b) is functools.partial:  # each layer's own partial
+    return (_same(a.func, b.func) and len(a.args) == len(b.args) and
+            all(map(_same, a.args, b.args)) and a.keywords.keys() == b.keywords.keys() and
+            all(_same(v, b.keywords[k]) for k, v in a.keywords.items()))
   try:
     return plain.key(a, contents=True) == plain.key(b, contents=True)
   except plain.NotPlain:

@@ -63,8 +63,7 @@ class AdamW(RuleOptimizer):
     >>> round(opt.grad_norm.item(), 4)  # before clipping: sqrt(2 * 3**2 * 4 + 2 * 3**2)
     9.4868
   """
-  rule = Rule("adamw", _state_shapes, _update, _hyperparameters, _options, counts_steps=True,
-              elementwise=True)
+  rule = Rule("adamw", _state_shapes, _update, _hyperparameters, _options, counts_steps=True)
 
   def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,

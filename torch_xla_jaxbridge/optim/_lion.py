@@ -45,7 +45,7 @@ class Lion(RuleOptimizer):
     ['exp_avg']
   """
   rule = Rule("lion", _state_shapes, _update, _hyperparameters,
-              lambda group: {"maximize": bool(group["maximize"])}, elementwise=True)
+              lambda group: {"maximize": bool(group["maximize"])})
 
   def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
                weight_decay: float = 0.0, *, maximize: bool = False,

@@ -33,9 +33,6 @@ class Rule:
     first_step_differs: the step that creates a parameter's state is traced apart
       (`options["first"]`): SGD's momentum buffer starts as the gradient.
     real_only: complex parameters are refused (an update that is not linear in the gradient).
-    elementwise: `update` treats each element alone (no shape, no reduction), so a step runs it
-      once over the parameters of a row laid end to end (`_step`): one update in the program
-      instead of one per parameter, which XLA:CPU compiled in several times the time.
 
   Example:
     >>> rule = Rule("plain_sgd", state_shapes=lambda shape, dtype, options: {},
@@ -52,7 +49,6 @@ class Rule:
   counts_steps: bool = False
   first_step_differs: bool = False
   real_only: bool = True
-  elementwise: bool = False
 
 
 _OPTIMIZERS: dict[str, type] = {}

@@ -50,7 +50,7 @@ class SGD(RuleOptimizer):
     >>> opt.step()
   """
   rule = Rule("sgd", _state_shapes, _update, _hyperparameters, _options,
-              first_step_differs=True, real_only=False, elementwise=True)
+              first_step_differs=True, real_only=False)
 
   def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0,
                dampening: float = 0, weight_decay: float = 0, nesterov: bool = False, *,

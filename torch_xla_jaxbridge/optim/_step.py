@@ -43,10 +43,6 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   rows = rows if rows is not None else tuple(range(len(params)))
   table = scalars[:-1].reshape(len(options), len(names))
   hypers = [{name: table[r, k] for k, name in enumerate(names)} for r in range(len(options))]
-  runs = _runs(rule, layout, params, grads, rows) if layout is not None else None
-  if runs is not None:
-    return (*_apply_laid_end_to_end(rule, runs, params, grads, buffers, layout, hypers,
-                                    options, rows, jnp), grad_norm)
   new_params, new_states = [], []
   for i, (p, g, state) in enumerate(zip(params, grads, states)):
     new_p, new_state = rule.update(p, g, state, hypers[rows[i]], options[rows[i]])
@@ -56,53 +52,3 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   if layout is not None:
     new_states = layout.join(new_states, buffers, jnp)
   return new_params, new_states, grad_norm
-
-
-def _runs(rule: Rule, layout: FlatLayout, params: list, grads: list,
-          rows: tuple) -> Optional[list]:
-  """The parameters as runs `(start, stop)` of consecutive ones of one row, when the update can
-  run once per run over them laid end to end: an elementwise rule, parameters (and gradients) of
-  one dtype per run, and each state buffer holding every parameter's state in parameter order
-  with nothing between them. None otherwise."""
-  if not rule.elementwise or not params:
-    return None
-  names = {name for name, _ in layout.names}
-  ends = [0] * len(layout.names)
-  for p, entries in zip(params, layout.entries):
-    if {name for name, *_ in entries} != names:
-      return None
-    for _, b, offset, shape in entries:
-      if offset != ends[b] or tuple(shape) != tuple(p.shape):
-        return None
-      ends[b] += p.size
-  runs: list = []
-  for i, (p, g) in enumerate(zip(params, grads)):
-    if runs and rows[i] == rows[runs[-1][0]] and (p.dtype, g.dtype) == (params[runs[-1][0]].dtype,
-                                                                      grads[runs[-1][0]].dtype):
-      runs[-1][1] = i + 1
-    else:
-      runs.append([i, i + 1])
-  return runs
-
-
-def _apply_laid_end_to_end(rule, runs, params, grads, buffers, layout, hypers, options, rows,
-                           jnp):
-  """`apply_rule`'s new parameters and flat state buffers, the update run once per run of
-  parameters (`_runs`) on their concatenation and the state buffers' matching slices."""
-  new_params: list = []
-  pieces: list = [[] for _ in layout.names]
-  for start, stop in runs:
-    flat = lambda arrays: jnp.concatenate([a.reshape(-1) for a in arrays[start:stop]])
-    begin = layout.entries[start][0][2]
-    size = sum(p.size for p in params[start:stop])
-    state = {name: buffers[b][begin:begin + size] for name, b, *_ in layout.entries[start]}
-    new_p, new_state = rule.update(flat(params), flat(grads), state, hypers[rows[start]],
-                                   options[rows[start]])
-    new_p = new_p.astype(params[start].dtype)
-    offset = 0
-    for p in params[start:stop]:
-      new_params.append(new_p[offset:offset + p.size].reshape(p.shape))
-      offset += p.size
-    for name, b, *_ in layout.entries[start]:
-      pieces[b].append(new_state[name].astype(buffers[b].dtype))
-  return new_params, [jnp.concatenate(p) if len(p) > 1 else p[0] for p in pieces]

@@ -264,7 +264,9 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[Union[str, type]], 
   one graph node (structurally identical ones share one trace), while `model` stays the same
   module (its parameters, `state_dict()`, hooks). A module that cannot be bridged runs as plain
   LazyTensor code with its own submodules bridged (`fallback=False`: raise instead). Returns the
-  paths of the modules bridged. Like torchprime's `model.pure_modules`.
+  paths of the modules bridged. Like torchprime's `model.pure_modules`. With the optimizer
+  from `jb.optim` (same arguments as torch's), its step is one node too: most of the gain left
+  to `jb.train_step` (docs/performance.md, "Time to first step against depth").
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb

@@ -262,6 +262,14 @@ def test_user_computation_from_a_proto_and_the_hlo_text():
   assert not torch_xla_private.tensor_state(out)[2] and out.cpu().tolist() == [3.0, 3.0]
 
 
+def test_execution_allowed_reads_torch_xla_compiles_full_graph_flag():
+  seen = []
+  torch_xla.compile(lambda: seen.append(torch_xla_private.execution_allowed()),
+                    full_graph=True)()
+  torch_xla.compile(lambda: seen.append(torch_xla_private.execution_allowed()))()
+  assert seen == [False, True] and torch_xla_private.execution_allowed()
+
+
 def test_sharding_readers_without_spmd():
   t = torch.ones(2, device="xla")
   assert torch_xla_private.sharding_spec(t) == "" and torch_xla_private.op_sharding_of(t) is None

@@ -196,6 +196,30 @@ def test_adamw_ten_steps_of_a_changing_lr_trace_once_and_compile_once(dev):
   assert compiles[-1] == compiles[0]
 
 
+def test_adamw_first_step_inside_a_full_graph_compile_runs_nothing_and_trains(dev):
+  """`torch_xla.compile(full_graph=True)` forbids running anything while its step is traced:
+  the new states stay pending zeros there (the step compiles twice, as it did before)."""
+  torch.manual_seed(0)
+  model = mlp(dev)
+  reference = copy.deepcopy(model).cpu()
+  opt = jb.optim.AdamW(model.parameters(), lr=0.01)
+  ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+
+  def step(m, o, x):
+    o.zero_grad()
+    loss = m(x).square().mean()
+    loss.backward()
+    o.step()
+    return loss
+
+  compiled = torch_xla.compile(lambda x: step(model, opt, x), full_graph=True)
+  for i in range(3):
+    x = torch.full((2, 6), float(i))
+    assert torch.allclose(compiled(x.to(dev)).cpu(), step(reference, ref_opt, x), rtol=1e-5)
+  for p, r in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p.cpu(), r, rtol=1e-5, atol=1e-6)
+
+
 def test_adamw_is_one_graph_node_and_its_grad_norm_needs_no_sync(dev):
   model = mlp(dev)
   opt = jb.optim.AdamW(two_groups(model, lr=0.1, weight_decay=0.0), lr=0.01, max_grad_norm=1.0)

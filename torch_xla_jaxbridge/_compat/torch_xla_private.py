@@ -14,7 +14,8 @@ ENTRY_POINTS = ("_xla_user_computation", "_xla_op_computation_from_module_proto"
                 "_xla_sync_multi", "_init_computation_client", "_get_xla_sharding_spec",
                 "_get_xla_tensors_hlo_proto", "_get_xla_tensors_hlo",
                 "_get_tensors_xla_device_data_node", "_get_xla_tensor_debug_info",
-                "_xla_get_tensor_id", "_xla_tensors_report", "_global_tensor_from_cpu_shards")
+                "_xla_get_tensor_id", "_xla_tensors_report", "_global_tensor_from_cpu_shards",
+                "_get_allow_execution")
 
 
 def _xlac():
@@ -109,6 +110,18 @@ def sync_tensors(tensors: Sequence[torch.Tensor]) -> None:
     False
   """
   _xlac()._xla_sync_multi(list(tensors), [], True)
+
+
+def execution_allowed() -> bool:
+  """Whether a graph may run now: false inside `torch_xla.compile(..., full_graph=True)`, which
+  turns executions off while its function is traced (one that runs anyway raises and leaves the
+  tensors it was computing without data). torch_xla has no public reader of the flag.
+
+  Example:
+    >>> execution_allowed()
+    True
+  """
+  return bool(_xlac()._get_allow_execution())
 
 
 def replace_data(tensor: torch.Tensor, new: torch.Tensor) -> None:

@@ -135,9 +135,11 @@ class RuleOptimizer(TorchLayout):
     if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
                              self.init_state, flat=not sharding.spmd_enabled())
-      if self._plan.flat is not None and self._plan.created:
+      if (self._plan.flat is not None and self._plan.created and
+          torch_xla_private.execution_allowed()):
         # zeros as device data, not pending zeros: the first step's program is then the next
-        # steps' program, compiled once (pending zeros, folded into it, made it a second one)
+        # steps' program, compiled once (pending zeros, folded into it, made it a second one);
+        # inside `torch_xla.compile(full_graph=True)` nothing may run: two programs, as before
         torch_xla_private.sync_tensors(self._plan.flat.buffers)
     plan = self._plan
     scalars: list[float] = []

@@ -46,7 +46,10 @@ def train(index: int, bridged: bool) -> tuple:
     jb.bridge_modules(model, ["Sequential"])
     opt = jb.optim.AdamW(model.parameters(), lr=1e-2)
     step = jb.train_step(lambda: model(x).square().mean(), opt)
-    losses = [step() for _ in range(3)]
+    losses = []
+    for _ in range(3):  # a step per sync, as the plain loop (and a training loop) runs
+      losses.append(step())
+      torch_xla.sync()
   else:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []

@@ -19,6 +19,18 @@ from torch_xla_jaxbridge.optim._state import TorchLayout
 from torch_xla_jaxbridge.optim._step import apply_rule
 
 
+def _zeros_on_device(buffers: list) -> None:
+  """Makes each new state buffer (all zeros, still pending) device data copied from host zeros:
+  the first step's program is then every later step's, compiled once (pending zeros folded into
+  it made it a second program), and no program is compiled for the zeros (one per model's state
+  sizes kept XLA:CPU's memory maps growing model after model). Host zeros that are only read
+  stay the kernel's shared zero page. Not inside `torch_xla.compile(full_graph=True)`, where
+  nothing may reach the device: there the step compiles twice, as before."""
+  for buffer in buffers:
+    zeros = torch.zeros(buffer.shape, dtype=buffer.dtype).to(buffer.device)
+    torch_xla_private.replace_data(buffer, zeros)
+
+
 class RuleOptimizer(TorchLayout):
   """A torch optimizer over `rule` (a class attribute); see `AdamW` for one built on it.
 
@@ -135,12 +147,9 @@ class RuleOptimizer(TorchLayout):
     if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
                              self.init_state, flat=not sharding.spmd_enabled())
-      if (self._plan.flat is not None and self._plan.created and
+      if (self._plan.flat is not None and len(self._plan.created) == len(params) and
           torch_xla_private.execution_allowed()):
-        # zeros as device data, not pending zeros: the first step's program is then the next
-        # steps' program, compiled once (pending zeros, folded into it, made it a second one);
-        # inside `torch_xla.compile(full_graph=True)` nothing may run: two programs, as before
-        torch_xla_private.sync_tensors(self._plan.flat.buffers)
+        _zeros_on_device(self._plan.flat.buffers)
     plan = self._plan
     scalars: list[float] = []
     names: tuple = ()

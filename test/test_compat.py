@@ -304,6 +304,22 @@ def test_a_wrapped_cpu_lowering_rule_replaces_the_primitives_lowering():
   original = jax.jit(lambda x, w: jax.lax.conv(x, w, (1,), "VALID"))(x, w)
   assert replaced.tolist() == [[[0.0, 0.0, 0.0]]] and original.tolist() == [[[1.0, 1.0, 1.0]]]
 
+def test_generic_lowering_rules_and_linalg_primitives_are_found():
+  cholesky, lu = jax_private.linalg_primitives("cholesky", "lu")
+  assert cholesky is jax.lax.linalg.cholesky_p and lu is jax.lax.linalg.lu_p
+  assert callable(jax_private.generic_lowering_rule(cholesky))
+  assert jax_private.generic_lowering_rule(jax_private.linalg_primitives("eig")[0]) is None
+
+
+def test_jaxlibs_own_custom_call_targets_are_listed():
+  targets = jax_private.jaxlib_custom_call_targets()
+  spd = jax.ShapeDtypeStruct((3, 3), "float32")
+  text = jax.jit(jax.numpy.linalg.cholesky).lower(spd).as_text()
+  callback = jax.jit(lambda x: jax.pure_callback(lambda a: a, spd, x)).lower(spd).as_text()
+  assert "lapack_spotrf_ffi" in targets and "lapack_spotrf_ffi" in text
+  assert [t for t in targets if f"@{t}(" in callback] == ["xla_ffi_python_cpu_callback"]
+
+
 _COMPAT_LIB = torch.library.Library("jbcompat", "DEF")
 _COMPAT_LIB.define("doubled(Tensor x) -> Tensor")
 _COMPAT_LIB.impl("doubled", lambda x: x * 2, "XLA")

@@ -145,7 +145,8 @@ def lower_bridged(fn: Callable, *args: Any, platform: str, remat: Any = None,
   x64, traced = True, trace(True)  # as bridged calls trace (`Bridged.keyed`, `lowering.lower`)
   if lowering.needs_32_bit_mode(traced, diff + other):
     x64, traced = False, trace(False)
-  with jax_private.enable_x64(x64), jax_private.gspmd_partitioner():
+  with jax_private.enable_x64(x64), jax_private.gspmd_partitioner(), \
+      lowering.runtime_forms(platform):
     forward = traced.lower(lowering_platforms=(platform,)).as_text()
     floats, _, _, saved, _ = traced.out_info
     cotangents = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in floats]

@@ -320,3 +320,59 @@ def conv_general_dilated_primitive() -> Any:
   from jax._src.lax import convolution
 
   return convolution.conv_general_dilated_p
+
+
+def generic_lowering_rule(primitive: Any) -> Optional[Callable]:
+  """`primitive`'s lowering rule for any platform (the one a platform without its own uses), or
+  None where it has none. Breaks if JAX renames its lowering table: `test_compat` checks.
+  Public alternative: none (`mlir.register_lowering` writes the table but cannot read it).
+
+  Example:
+    >>> from jax._src.lax import linalg
+    >>> callable(generic_lowering_rule(linalg.cholesky_p))
+    True
+  """
+  _jax()
+  from jax._src.interpreters import mlir
+
+  entry = mlir._lowerings.get(primitive)
+  return entry.rule if entry is not None else None
+
+
+def linalg_primitives(*names: str) -> list:
+  """The primitives of `jax.lax.linalg` named `names` (e.g. "cholesky" for `cholesky_p`).
+  Public alternative: none (`jax.lax.linalg` exports the functions, not the primitives).
+
+  Example:
+    >>> [p.name for p in linalg_primitives("cholesky", "lu")]
+    ['cholesky', 'lu']
+  """
+  _jax()
+  from jax._src.lax import linalg
+
+  return [getattr(linalg, f"{name}_p") for name in names]
+
+
+def jaxlib_custom_call_targets() -> frozenset:
+  """The custom call targets jaxlib registers with JAX's own XLA runtime (LAPACK, cuSOLVER,
+  cuSPARSE, ... and the Python callbacks): programs that call them run only there. Breaks if
+  jaxlib moves its `registrations()`; `test_compat` checks LAPACK's Cholesky is among them.
+
+  Example:
+    >>> "lapack_spotrf_ffi" in jaxlib_custom_call_targets()
+    True
+  """
+  _jax()
+  import importlib
+
+  names = set()
+  for module in ("lapack", "cpu_sparse", "gpu_linalg", "gpu_prng", "gpu_solver", "gpu_sparse"):
+    try:
+      registrations = importlib.import_module(f"jaxlib.{module}").registrations()
+    except (ImportError, AttributeError):  # a plugin this jaxlib build does not have
+      continue
+    names.update(entry[0] for entries in registrations.values() for entry in entries)
+  for kind in ("python", "ffi_python", "ffi_partitioned_python"):
+    names.update(f"xla_{kind}_{platform}_callback" for platform in ("cpu", "gpu"))
+  names.add("xla_buffer_python_gpu_callback")
+  return frozenset(names)

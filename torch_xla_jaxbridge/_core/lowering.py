@@ -7,6 +7,7 @@ Functions are held weakly, so closures that die take their entries with them.
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import threading
@@ -15,7 +16,7 @@ import weakref
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
-from torch_xla_jaxbridge._core import cpu_convolutions, dtypes, runtime
+from torch_xla_jaxbridge._core import cpu_convolutions, cpu_linalg, dtypes, runtime
 
 logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
 
@@ -60,12 +61,61 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
     traced = _trace(jax, leaves_only, avals, op_name, enable_x64)
   with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
     platform = platform or runtime.lowering_platform()
-    # XLA:CPU's fast convolutions need channels-last form, made for it only in the entry
-    with cpu_convolutions.channels_last() if platform == "cpu" else contextlib.nullcontext():
+    with runtime_forms(platform):
       lowered = traced.lower(lowering_platforms=(platform,))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+  refuse_foreign_custom_calls(proto, op_name)
   computation = torch_xla_private.computation_from_proto(op_name, without_module_id(proto))
   return computation, out_tree[-1]
+
+
+@contextlib.contextmanager
+def runtime_forms(platform: str):
+  """Context: lower in the forms torch_xla's runtime on `platform` needs. On CPU: convolutions
+  channels-last (XLA:CPU's fast kernels need it, made for them only in the program's entry) and
+  linear algebra without jaxlib's LAPACK calls (torch_xla's runtime has no handler for them).
+
+  Example:
+    >>> with runtime_forms("cpu"):
+    ...   pass
+  """
+  with contextlib.ExitStack() as forms:
+    if platform == "cpu":
+      forms.enter_context(cpu_convolutions.channels_last())
+      forms.enter_context(cpu_linalg.portable_linalg())
+    yield
+
+
+def refuse_foreign_custom_calls(proto: bytes, op_name: str) -> None:
+  """Raises `NoLoweringError` (the region falls back) when the lowered program calls a custom
+  call target that only jaxlib's own runtime has (a LAPACK or cuSOLVER routine, a Python
+  callback): torch_xla's runtime would fail on it when the program runs.
+
+  Example:
+    >>> refuse_foreign_custom_calls(b"...stablehlo.add...", "xla::f")
+    >>> refuse_foreign_custom_calls(b"...lapack_sgeev_ffi...", "xla::f")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    torch_xla_jaxbridge.errors.NoLoweringError: f: its JAX program calls lapack_sgeev_ffi, ...
+  """
+  targets = _foreign_targets()
+  found = sorted(t for prefix, names in targets.items() if prefix in proto
+                 for t in names if t.encode() in proto)
+  if found:
+    raise errors.NoLoweringError(
+        f"{op_name.removeprefix('xla::')}: its JAX program calls {', '.join(found)}, a routine "
+        f"jaxlib registers with JAX's own runtime only; torch_xla's runtime, which runs the "
+        f"program, cannot call it. Bridged regions run such code as plain LazyTensor code "
+        f"(torch_xla's own lowering); in call_jax, use a JAX function without it.")
+
+
+@functools.cache
+def _foreign_targets() -> dict:
+  """jaxlib's custom call targets by their prefix (a fast first test on large programs)."""
+  targets = collections.defaultdict(list)
+  for name in jax_private.jaxlib_custom_call_targets():
+    targets[name.split("_")[0].encode() + b"_"].append(name)
+  return dict(targets)
 
 
 def needs_32_bit_mode(traced, avals) -> bool:

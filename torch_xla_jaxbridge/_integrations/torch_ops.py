@@ -3,7 +3,8 @@
 Always on, registered with `tracing` on import: `F.linear` (for the form of its weight
 gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
 lacks the second), `F.scaled_dot_product_attention` (torch's math form, every argument) and
-`torch.allclose` (a Python bool, as torch returns).
+`torch.allclose` (a Python bool, as torch returns), Cholesky (torch's triangle read and
+gradient).
 Batch norm has its own module (`batch_norm`).
 """
 import math
@@ -11,6 +12,7 @@ import weakref
 
 import torch
 
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 
@@ -199,7 +201,76 @@ def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
   return bool(torch.isclose(input, other, rtol, atol, equal_nan).all())
 
 
+def cholesky(input, upper=False):
+  """`torch.cholesky` (and `torch.linalg.cholesky`, through `cholesky_ex`) as torch computes it:
+  only the lower (`upper`: upper) triangle is read, and the gradient is symmetric, torch's
+  convention for a function of a symmetric matrix; torchax's gave the gradient of the triangle
+  read (another value wherever the input is a leaf).
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> a = torch.tensor([[4.0, 9.0], [2.0, 5.0]], device="xla")  # the upper 9 is not read
+    >>> bridge(torch.linalg.cholesky)(a).cpu().tolist()
+    [[2.0, 0.0], [1.0, 2.0]]
+  """
+  jax = runtime.jax_module()
+  jnp = jax.numpy
+  adjoint = lambda x: jnp.conj(jnp.swapaxes(x, -1, -2))  # noqa: E731
+  a = adjoint(input.jax()) if upper else input.jax()
+  read = jnp.tril(a) + adjoint(jnp.tril(a, -1))
+  symmetric = (a + adjoint(a)) / 2  # the value read, with a symmetric gradient
+  a = jax.lax.stop_gradient(read) + symmetric - jax.lax.stop_gradient(symmetric)
+  factor = jax.lax.linalg.cholesky(a, symmetrize_input=False)
+  return tracing.to_torchax(adjoint(factor) if upper else factor)
+
+
+def cholesky_ex(input, upper=False, check_errors=False):
+  """`torch.linalg.cholesky_ex`: `cholesky` and its `info` as torch gives it (0, or the order of
+  the first leading minor that is not positive-definite; the factor is then NaN, where torch
+  leaves a partial one). `check_errors=True` raises on the values, so it is data-dependent: the
+  region falls back.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> bridge(torch.linalg.cholesky_ex)(torch.tensor([[1.0, 2.0], [2.0, 1.0]], device="xla")
+    ...                                  ).info.cpu().item()
+    2
+  """
+  if check_errors:
+    raise errors.DataDependentError(
+        "torch.linalg.cholesky_ex(check_errors=True) raises depending on the values")
+  jax = runtime.jax_module()
+  factor = cholesky(input, upper)
+  a = input.jax() if not upper else jax.numpy.swapaxes(input.jax(), -1, -2).conj()
+  failed = ~jax.numpy.isfinite(factor.jax()).all()
+  no_failure = lambda a: jax.numpy.zeros(a.shape[:-2], jax.numpy.int32)  # noqa: E731
+  info = jax.lax.cond(failed, _first_failed_pivot, no_failure, jax.lax.stop_gradient(a))
+  return factor, tracing.to_torchax(info)
+
+
+def _first_failed_pivot(a):
+  """The order of the first leading minor of (the lower triangle of) `a` that is not
+  positive-definite, by the unblocked factorization: run only where the factor is not finite."""
+  jnp = runtime.jax_module().numpy
+  n = a.shape[-1]
+  a = jnp.tril(a) + jnp.conj(jnp.swapaxes(jnp.tril(a, -1), -1, -2))
+
+  def step(k, carry):
+    a, info = carry
+    pivot = a[..., k, k].real
+    bad = ~(pivot > 0)
+    info = jnp.where((info == 0) & bad, k + 1, info)
+    column = a[..., :, k] / jnp.sqrt(jnp.where(bad, 1, pivot))[..., None]
+    column = jnp.where(jnp.arange(n) > k, column, 0)
+    return a - column[..., :, None] * jnp.conj(column[..., None, :]), info
+
+  zeros = jnp.zeros(a.shape[:-2], jnp.int32)
+  return runtime.jax_module().lax.fori_loop(0, n, step, (a, zeros))[1]
+
+
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.ops.aten.cholesky.default, cholesky)
+tracing.register_op_override(torch.ops.aten.linalg_cholesky_ex.default, cholesky_ex)
 tracing.register_op_override(torch.allclose, allclose)
 tracing.register_op_override(torch.ops.aten.linalg_vector_norm.default, vector_norm)
 tracing.register_op_override(torch.ops.aten.frobenius_norm.dim, frobenius_norm)

@@ -1,0 +1,240 @@
+"""PyTorch's operator database (`op_db` of torch.testing._internal, every public op with sample
+inputs) through plain LazyTensor code and through bridged code, each against eager CPU torch:
+result types, dtypes, shapes, values and, where the op supports autograd, gradients.
+scripts/opinfo_sweep.py runs every float32 op in child processes; test_opinfo.py a subset.
+
+  outcome = check(OPS["cummax"])   # {"forward": {"lazy": ..., "bridged": ...}, "backward": ...}
+"""
+import itertools
+import time
+import warnings
+
+import torch
+import torch.utils._pytree as pytree
+import torch_xla
+from torch.testing._internal.common_methods_invocations import op_db
+
+import torch_xla_jaxbridge as jb
+
+SAMPLES = 2  # samples of each op checked
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # values, forward
+GRAD_TOLERANCE = dict(rtol=1e-3, atol=1e-4)
+
+# Ops whose values torch leaves unspecified (random draws, uninitialized memory): only the result's
+# type, dtype and shape are compared.
+UNSPECIFIED_VALUES = {
+    "bernoulli", "cauchy", "empty", "empty_like", "empty_permuted", "empty_strided",
+    "exponential", "geometric", "log_normal", "multinomial", "new_empty", "new_empty_strided",
+    "normal", "normal.in_place", "normal.number_mean", "rand_like", "randint", "randint_like",
+    "randn", "randn_like", "uniform", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
+    "nn.functional.rrelu", "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d", "svd_lowrank", "pca_lowrank", "empty.default",
+}
+
+
+def full_name(op) -> str:
+  return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+OPS = {full_name(op): op for op in op_db if torch.float32 in op.supported_dtypes("cpu")}
+
+
+def check(op, samples: int = SAMPLES) -> dict:
+  """Each mode's outcome on the op's first `samples` samples: `{"forward": {"lazy": o,
+  "bridged": o}, "backward": {...}}`, each `o` a `[status, detail]` with status `pass`, `fail`,
+  `fallback` (bridged code ran as plain LazyTensor code, reported) or `n/a`."""
+  outcome = {"forward": {}, "backward": {}}
+  forward = _samples(op, False, samples)
+  for mode in ("lazy", "bridged"):
+    outcome["forward"][mode] = _worst(_forward(op, s, mode) for s in forward)
+  backward = _samples(op, True, samples) if op.supports_autograd else []
+  for mode in ("lazy", "bridged"):
+    outcome["backward"][mode] = (_worst(_backward(op, s, mode) for s in backward) if backward
+                                 else ["n/a", "no autograd"])
+  return outcome
+
+
+def _samples(op, requires_grad, count):
+  torch.manual_seed(0)
+  return list(itertools.islice(op.sample_inputs("cpu", torch.float32,
+                                                requires_grad=requires_grad), count))
+
+
+_RANK = {"fail": 3, "fallback": 2, "n/a": 1, "pass": 0}
+
+
+def _worst(outcomes):
+  return max(outcomes, key=lambda o: _RANK[o[0]], default=["n/a", "no samples"])
+
+
+def _forward(op, sample, mode):
+  expected = op(sample.input, *sample.args, **sample.kwargs)
+  return _run(op, sample, mode, lambda out: _compare(out, expected, op, TOLERANCE))
+
+
+def _backward(op, sample, mode):
+  inputs = [t for t in _tensors(sample) if t.requires_grad]
+  if not inputs:
+    return ["n/a", "no input requires grad"]
+  out = pytree.tree_leaves(sample.output_process_fn_grad(
+      _differentiated(op)(sample.input, *sample.args, **sample.kwargs)))
+  differentiable = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+  if not differentiable:
+    return ["n/a", "no output requires grad"]
+  outs = [out[i] for i in differentiable]
+  cotangents = _cotangents(outs)
+  expected = _grads(outs, inputs, cotangents)
+
+  def compare(out):
+    got_outs = [pytree.tree_leaves(sample.output_process_fn_grad(out))[i] for i in differentiable]
+    if not all(isinstance(t, torch.Tensor) and t.requires_grad for t in got_outs):
+      return ["fail", f"results {differentiable} do not all require grad, as torch's do"]
+    got = [g.cpu() for g in _grads(got_outs, moved_inputs,
+                                   [c.to(got_outs[0].device) for c in cotangents])]
+    outcome = _compare(got, expected, op, GRAD_TOLERANCE)
+    if outcome[0] == "fail" and _compare(got, _numerical_grads(op, sample, differentiable,
+                                                               cotangents), op,
+                                         GRAD_TOLERANCE)[0] == "pass":
+      return ["pass", "equal to the numerical gradient, where torch's eager gradient is not "
+                      "(it fails torch.autograd.gradcheck)"]
+    return outcome
+
+  moved_inputs = []
+  return _run(op, sample, mode, compare, moved_inputs, _differentiated(op))
+
+
+def _differentiated(op):
+  """The op as OpInfo's gradient checks call it (e.g. a Hermitian input made so)."""
+  return lambda *args, **kwargs: op.gradcheck_wrapper(op, *args, **kwargs)
+
+
+def _numerical_grads(op, sample, differentiable, cotangents, eps=1e-6):
+  """The gradient by central differences in float64: the yardstick where torch's own differs."""
+  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+  leaves = [leaf.detach().double().contiguous() if isinstance(leaf, torch.Tensor) and
+            leaf.is_floating_point()
+            else leaf for leaf in leaves]
+  wanted = [leaf for leaf, original in zip(leaves, pytree.tree_leaves(
+      (sample.input, sample.args, sample.kwargs))) if isinstance(original, torch.Tensor)
+            and original.requires_grad]
+
+  def loss():
+    x, a, k = pytree.tree_unflatten(leaves, spec)
+    out = pytree.tree_leaves(sample.output_process_fn_grad(_differentiated(op)(x, *a, **k)))
+    return sum((out[i].double() * c.double()).sum() for i, c in zip(differentiable, cotangents))
+
+  grads = []
+  for x in wanted:
+    grad, flat = torch.zeros_like(x), x.view(-1)
+    for j in range(flat.numel()):
+      kept = flat[j].item()
+      flat[j] = kept + eps
+      up = loss()
+      flat[j] = kept - eps
+      grad.view(-1)[j] = (up - loss()) / (2 * eps)
+      flat[j] = kept
+    grads.append(grad.float())
+  return grads
+
+
+def _cotangents(outs):
+  generator = torch.Generator().manual_seed(1)
+  return [torch.randn(o.shape, generator=generator, dtype=o.dtype) if o.is_floating_point()
+          else torch.zeros_like(o) for o in outs]
+
+
+def _grads(outs, inputs, cotangents):
+  loss = sum((o * c).sum() for o, c in zip(outs, cotangents))
+  grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+  return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+
+
+def _tensors(sample):
+  return [t for t in pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+          if isinstance(t, torch.Tensor)]
+
+
+def _run(op, sample, mode, compare, moved_inputs=None, function=None):
+  """Runs the op on the XLA device (as plain LazyTensor code or inside `jb.bridge`) and
+  compares with `compare`; an error anywhere is a `fail` with its type and message."""
+  device = torch_xla.device()
+  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+  leaves = [_to_device(leaf, device) for leaf in leaves]
+  places = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+  if moved_inputs is not None:
+    moved_inputs.extend(leaves[i] for i in places if leaves[i].requires_grad)
+
+  def call(*tensors):
+    args = list(leaves)
+    for i, t in zip(places, tensors):
+      args[i] = t
+    x, a, k = pytree.tree_unflatten(args, spec)
+    return (function or op)(x, *a, **k)
+
+  since = jb.bridge_report()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      fn = call if mode == "lazy" else jb.bridge(call, name=f"opinfo_{full_name(op)}")
+      out = fn(*[leaves[i] for i in places])
+      result = compare(out)
+      torch_xla.sync()
+  except Exception as exc:  # the outcome of any failure is recorded, not raised
+    return ["fail", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"]
+  fell_back = [r for r in jb.bridge_report(since=since).rows if r.status == "fallback"]
+  if fell_back and result[0] == "pass":
+    return ["fallback", fell_back[0].reason[:300]]
+  return result
+
+
+def _to_device(leaf, device):
+  if isinstance(leaf, torch.Tensor):
+    moved = leaf.detach().to(device)
+    return moved.requires_grad_(leaf.requires_grad) if leaf.is_floating_point() or \
+        leaf.is_complex() else moved
+  if isinstance(leaf, torch.device) and leaf.type == "cpu":
+    return device
+  if leaf == "cpu":
+    return str(device)
+  return leaf
+
+
+def _compare(got, expected, op, tolerance):
+  got_leaves, expected_leaves = pytree.tree_leaves(got), pytree.tree_leaves(expected)
+  if len(got_leaves) != len(expected_leaves):
+    return ["fail", f"{len(got_leaves)} results where torch gives {len(expected_leaves)}"]
+  for i, (g, e) in enumerate(zip(got_leaves, expected_leaves)):
+    if isinstance(e, torch.Tensor) != isinstance(g, torch.Tensor) or (
+        not isinstance(e, torch.Tensor) and type(g) is not type(e)):
+      return ["fail", f"result {i}: a {type(g).__name__} where torch gives a {type(e).__name__}"]
+    if not isinstance(e, torch.Tensor):
+      if full_name(op) not in UNSPECIFIED_VALUES and not _close(g, e):
+        return ["fail", f"result {i}: {g!r} where torch gives {e!r}"]
+      continue
+    if g.dtype != e.dtype:
+      return ["fail", f"result {i}: dtype {g.dtype} where torch gives {e.dtype}"]
+    if g.shape != e.shape:
+      return ["fail", f"result {i}: shape {tuple(g.shape)} where torch gives {tuple(e.shape)}"]
+    if full_name(op) in UNSPECIFIED_VALUES:
+      continue
+    try:
+      torch.testing.assert_close(g.cpu(), e.detach(), equal_nan=True, **tolerance)
+    except AssertionError as exc:
+      lines = [line.strip() for line in str(exc).splitlines() if "difference" in line]
+      return ["fail", f"result {i}: values differ ({'; '.join(lines)[:200]})"]
+  return ["pass", ""]
+
+
+def _close(got, expected):
+  if isinstance(expected, float):
+    return abs(got - expected) <= TOLERANCE["atol"] + TOLERANCE["rtol"] * abs(expected) or (
+        got != got and expected != expected)
+  return got == expected
+
+
+def timed_check(name: str, samples: int = SAMPLES) -> dict:
+  """`check` of the op named `name` (a key of `OPS`) with its wall time in seconds."""
+  start = time.perf_counter()
+  outcome = check(OPS[name], samples)
+  return {"op": name, "seconds": round(time.perf_counter() - start, 2), **outcome}

@@ -1,0 +1,64 @@
+"""Linear algebra lowered so that torch_xla's CPU runtime can run it.
+
+On CPU, JAX lowers Cholesky, triangular solves, LU and QR to LAPACK custom calls that jaxlib
+registers with JAX's own XLA runtime; torch_xla's runtime, which runs the package's nodes, has
+no handler for them ("No FFI handler registered for lapack_spotrf_ffi"). While the package
+lowers for CPU, these primitives use JAX's lowering for other platforms instead: HLO's
+`cholesky` and `triangular-solve`, XLA's `Qr` expansion, LU written in JAX, which XLA:CPU
+compiles. Linear algebra with no such lowering (eigenvalues, SVD, ...) is caught by
+`lowering.refuse_foreign_custom_calls` and the region falls back.
+"""
+import contextlib
+import threading
+
+from torch_xla_jaxbridge._compat import jax_private
+
+# Primitives whose lowering for other platforms XLA:CPU runs.
+PORTABLE = ("cholesky", "triangular_solve", "lu", "geqrf", "householder_product")
+
+_ACTIVE = threading.local()  # .on: this thread is lowering for torch_xla's CPU runtime
+_INSTALLED = []
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def portable_linalg():
+  """Within the block, the linear algebra this thread lowers for CPU needs no LAPACK call.
+
+  Example:
+    >>> import jax
+    >>> spd = jax.ShapeDtypeStruct((3, 3), "float32")
+    >>> with portable_linalg():
+    ...   text = jax.jit(jax.numpy.linalg.cholesky).lower(spd).as_text()
+    >>> "lapack" in text, "stablehlo.cholesky" in text
+    (False, True)
+  """
+  _install()
+  before = getattr(_ACTIVE, "on", False)
+  _ACTIVE.on = True
+  try:
+    yield
+  finally:
+    _ACTIVE.on = before
+
+
+def _install():
+  with _LOCK:
+    if not _INSTALLED:
+      for primitive in jax_private.linalg_primitives(*PORTABLE):
+        jax_private.wrap_cpu_lowering(
+            primitive, _rule_over(jax_private.generic_lowering_rule(primitive)))
+      _INSTALLED.append(True)
+
+
+def _rule_over(portable):
+  """The CPU rule: the LAPACK rule `original` outside `portable_linalg()`, else `portable`."""
+
+  def wrapper(original):
+    def rule(ctx, *operands, **params):
+      chosen = portable if getattr(_ACTIVE, "on", False) else original
+      return chosen(ctx, *operands, **params)
+
+    return rule
+
+  return wrapper

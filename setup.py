@@ -23,5 +23,5 @@ setup(
     python_requires=">=3.11",
     install_requires=STACK,
     extras_require={"test": ["pytest", "transformers==4.57.1", "mypy==1.13.0", "accelerate==1.11.0",
-                             "torchvision==0.24.0"]},
+                             "torchvision==0.24.0", "expecttest==0.3.0"]},
 )

@@ -66,6 +66,29 @@ def worse_than_lazy(row: dict, direction: str) -> bool:
   return lazy == "pass" and bridged == "fail"
 
 
+# Why a bridged region fell back, from the reason the report gives: (class, pattern in it)
+FALLBACK_CLASSES = [
+    ("values needed on the host (data-dependent)", "DataDependentError"),
+    ("a routine only jaxlib's runtime has (LAPACK)", "NoLoweringError"),
+    ("no JAX conversion of the aten op", "has no lowering"),
+    ("the op's JAX conversion fails on these arguments", "JaxTracingError"),
+    ("other", ""),
+]
+
+
+def fallback_classes(rows: list) -> dict:
+  """{class: sorted op names} of the ops whose bridged forward or backward fell back where
+  LazyTensor passed."""
+  classes: dict = {name: set() for name, _ in FALLBACK_CLASSES}
+  for row in rows:
+    for direction in ("forward", "backward"):
+      status, reason = row[direction]["bridged"]
+      if status == "fallback" and row[direction]["lazy"][0] == "pass":
+        name = next(name for name, pattern in FALLBACK_CLASSES if pattern in reason)
+        classes[name].add(row["op"])
+  return {name: sorted(ops) for name, ops in classes.items() if ops}
+
+
 def summary(rows: list) -> dict:
   counts = {}
   for direction in ("forward", "backward"):
@@ -106,9 +129,14 @@ def main() -> None:
     print(f"\n{direction}: bridged fails where LazyTensor passes: {len(worse)}")
     for row in worse:
       print(f"  {row['op']}: {row[direction]['bridged'][1]}")
+  classes = fallback_classes(rows)
+  print("\nbridged code falls back where LazyTensor passes, by cause:")
+  for name, ops in classes.items():
+    print(f"  {name}: {len(ops)}: {' '.join(ops)}")
   out = pathlib.Path(args.json)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"samples": args.samples, "summary": counts, "ops": rows}, indent=1))
+  out.write_text(json.dumps({"samples": args.samples, "summary": counts,
+                             "fallback_classes": classes, "ops": rows}, indent=1))
   print(f"\nwrote {out}")
 
 

@@ -4,7 +4,8 @@ Always on, registered with `tracing` on import: `F.linear` (for the form of its 
 gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
 lacks the second), `F.scaled_dot_product_attention` (torch's math form, every argument) and
 `torch.allclose` (a Python bool, as torch returns), Cholesky (torch's triangle read and
-gradient).
+gradient), `polygamma` and `digamma` (right for negative inputs), `_safe_softmax` (no NaN
+gradient for a row all -inf).
 Batch norm has its own module (`batch_norm`).
 """
 import math
@@ -155,12 +156,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
   return (weights @ value).to(dtype)
 
 
-def _safe_softmax(scores):
-  """Softmax over the last dimension with zeros for a row that is all -inf, where a plain
-  softmax gives NaN (which would spread through the backward): the row is made finite first,
-  its weights zeroed after."""
-  dead = torch.isneginf(scores).all(-1, keepdim=True)
-  return torch.softmax(torch.where(dead, 0.0, scores), -1).masked_fill(dead, 0.0)
+def _safe_softmax(scores, dim=-1, dtype=None):
+  """`aten::_safe_softmax`: softmax over `dim` with zeros for a row that is all -inf, where a
+  plain softmax gives NaN (which would spread through the backward, as torchax's did): the row
+  is made finite first, its weights zeroed after.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> scores = torch.tensor([[0.0, 0.0], [-math.inf, -math.inf]], device="xla")
+    >>> bridge(torch.ops.aten._safe_softmax.default)(scores, -1).cpu().tolist()
+    [[0.5, 0.5], [0.0, 0.0]]
+  """
+  dead = torch.isneginf(scores).all(dim, keepdim=True)
+  weights = torch.softmax(torch.where(dead, 0.0, scores), dim, dtype=dtype)
+  return weights.masked_fill(dead, 0.0)
 
 
 def _refuse_what_torch_refuses(query, key, value, attn_mask, is_causal, enable_gqa):
@@ -268,7 +277,68 @@ def _first_failed_pivot(a):
   return runtime.jax_module().lax.fori_loop(0, n, step, (a, zeros))[1]
 
 
+def polygamma(n, input):
+  """`torch.polygamma(n, x)` as torch computes it for negative `x` too, by the reflection
+  formula psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) cot^(n)(pi x); JAX's series for negative
+  `x` was off by 20% and more (and so was the gradient of `digamma`, its `n = 1`).
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> x = torch.tensor([-8.4784, 2.5], device="xla")
+    >>> [round(v, 3) for v in bridge(lambda t: torch.polygamma(1, t))(x).cpu().tolist()]
+    [9.804, 0.49]
+  """
+  return tracing.to_torchax(_polygamma(n, input.jax()))
+
+
+def _polygamma(n, x):
+  jax = runtime.jax_module()
+  jnp = jax.numpy
+  negative = x < 0
+  direct = jax.lax.polygamma(jnp.asarray(n, x.dtype), jnp.where(negative, 0.5, x))
+  r = jnp.where(negative, x, -0.5)  # each branch sees only values it is finite at
+  cot = lambda t: jnp.cos(t) / jnp.sin(t)  # noqa: E731
+  for _ in range(n):
+    cot = jax.grad(cot)
+  cot_n = jnp.vectorize(cot)(jnp.pi * r)
+  reflected = ((-1) ** n * jax.lax.polygamma(jnp.asarray(n, x.dtype), 1 - r)
+               - jnp.pi ** (n + 1) * cot_n)
+  return jnp.where(negative, reflected, direct)
+
+
+def digamma(input):
+  """`torch.digamma`: JAX's values (-inf at 0, as torch) with the gradient `polygamma(1, x)`
+  right for negative `x` too, in the input's dtype (torchax's was float32 always).
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> [round(v, 4) for v in bridge(torch.digamma)(torch.tensor([1.0, 0.0], device="xla")).cpu().tolist()]
+    [-0.5772, -inf]
+  """
+  return tracing.to_torchax(_digamma()(input.jax()))
+
+
+@threads.once
+def _digamma():
+  jax = runtime.jax_module()
+  jnp = jax.numpy
+
+  @jax.custom_jvp
+  def digamma(x):
+    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x)).astype(x.dtype)
+
+  @digamma.defjvp
+  def digamma_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return digamma(x), _polygamma(1, x) * dx
+
+  return digamma
+
+
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.ops.aten.polygamma.default, polygamma)
+tracing.register_op_override(torch.ops.aten.digamma.default, digamma)
+tracing.register_op_override(torch.ops.aten._safe_softmax.default, _safe_softmax)
 tracing.register_op_override(torch.ops.aten.cholesky.default, cholesky)
 tracing.register_op_override(torch.ops.aten.linalg_cholesky_ex.default, cholesky_ex)
 tracing.register_op_override(torch.allclose, allclose)

@@ -4,6 +4,7 @@ internals only in `_compat`, sizes, and type hints on the public API (ARCHITECTU
 import ast
 import inspect
 import pathlib
+import re
 import types
 
 import torch
@@ -129,6 +130,39 @@ def test_the_package_list_matches_the_tree():
   assert on_disk == set(ALLOWED) - {"errors"}
   for package in on_disk | {"recipes"}:
     assert (PACKAGE / package / "README.md").exists(), f"{package} has no README.md"
+
+
+def modules_on_disk(package):
+  return {p.stem for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__"}
+
+
+def named(text):
+  """The names written as code (`name` or `name.py`) in `text`."""
+  return set(re.findall(r"`([A-Za-z_]\w*)(?:\.\w+)*`", text))
+
+
+def table_modules(readme):
+  """The module names in the first column of a README's module table (`| `a`, `b` | ... |`)."""
+  return {name for line in readme.splitlines() if line.startswith("| `")
+          for name in named(line.split("|")[1])}
+
+
+def test_each_readme_and_the_architecture_name_exactly_the_modules_on_disk():
+  architecture, problems = (ROOT / "ARCHITECTURE.md").read_text(), []
+  for package in sorted(set(ALLOWED) - {"errors"} | {"recipes"}):
+    on_disk = modules_on_disk(package)
+    readme = (PACKAGE / package / "README.md").read_text()
+    problems += [f"{package}/README.md does not name {m}" for m in sorted(on_disk - named(readme))]
+    problems += [f"{package}/README.md's table lists {m}, not on disk"
+                 for m in sorted(table_modules(readme) - on_disk)]
+    (row,) = [line for line in architecture.splitlines() if line.startswith(f"| `{package}/`")]
+    problems += [f"ARCHITECTURE.md's {package}/ row does not name {m}"
+                 for m in sorted(on_disk - named(row.split("|")[2]))]
+  assert not problems, "\n".join(problems)
+
+
+def test_the_readme_check_finds_a_stale_table_row():
+  assert table_modules("| module | holds |\n|---|---|\n| `gone`, `kept` | x |") == {"gone", "kept"}
 
 
 def private_names_of_other_packages(path):

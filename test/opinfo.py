@@ -74,12 +74,40 @@ _RANK = {"fail": 3, "fallback": 2, "n/a": 1, "pass": 0}
 
 
 def _worst(outcomes):
-  return max(outcomes, key=lambda o: _RANK[o[0]], default=["n/a", "no samples"])
+  return max(outcomes, key=lambda o: (_RANK[o[0]], bool(o[1])), default=["n/a", "no samples"])
 
 
 def _forward(op, sample, mode):
   expected = op(sample.input, *sample.args, **sample.kwargs)
-  return _run(op, sample, mode, lambda out: _compare(out, expected, op, TOLERANCE))
+
+  def compare(out):
+    outcome = _compare(out, expected, op, TOLERANCE)
+    if "values differ" in outcome[1] and _as_accurate_as_eager(out, expected, op, sample):
+      return ["pass", "as close to torch's float64 result as eager float32 is"]
+    return outcome
+
+  return _run(op, sample, mode, compare)
+
+
+def _as_accurate_as_eager(got, expected, op, sample):
+  """Whether `got` is as close to the op's float64 result as eager's float32 one (within 2x,
+  or the tolerance): where two float32 algorithms differ (JAX's `expm` and torch's), neither is
+  the yardstick."""
+  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+  leaves = [leaf.detach().double() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+            else leaf for leaf in leaves]
+  x, a, k = pytree.tree_unflatten(leaves, spec)
+  try:
+    reference = pytree.tree_leaves(op(x, *a, **k))
+  except Exception:  # no float64 kernel: no yardstick
+    return False
+  for g, e, r in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected), reference):
+    if isinstance(e, torch.Tensor) and e.is_floating_point():
+      scale = r.abs() + TOLERANCE["atol"]
+      error = lambda t: ((t.cpu().double() - r).abs() / scale).max().item()  # noqa: E731
+      if not error(g) <= 2 * max(error(e.detach()), TOLERANCE["rtol"]):
+        return False
+  return True
 
 
 def _backward(op, sample, mode):

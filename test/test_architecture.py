@@ -161,6 +161,22 @@ def test_each_readme_and_the_architecture_name_exactly_the_modules_on_disk():
   assert not problems, "\n".join(problems)
 
 
+def registrations(path):
+  """The `register_*` calls (with `_core.tracing`) in the module at `path`."""
+  return [node.func.attr for node in ast.walk(ast.parse(path.read_text()))
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr.startswith("register_")]
+
+
+def test_integrations_holds_only_modules_that_register_themselves_and_imports_each():
+  folder = PACKAGE / "_integrations"
+  silent = [p.stem for p in sorted(folder.glob("*.py")) if p.stem != "__init__"
+            and not registrations(p)]
+  assert not silent, f"_integrations/ modules that register nothing (move them): {silent}"
+  (_, imported, _), = imports(folder / "__init__.py")
+  assert set(imported) == modules_on_disk("_integrations")
+
+
 def test_the_readme_check_finds_a_stale_table_row():
   assert table_modules("| module | holds |\n|---|---|\n| `gone`, `kept` | x |") == {"gone", "kept"}
 

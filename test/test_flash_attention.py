@@ -14,7 +14,7 @@ import torch_xla
 import torch_xla_jaxbridge as jb
 
 from torch_xla_jaxbridge._compat import torch_xla_private
-from torch_xla_jaxbridge._integrations.flash_attention import flash_attention, sdpa
+from torch_xla_jaxbridge._interop.flash_attention import flash_attention, sdpa
 from torch_xla_jaxbridge.recipes import config, llama
 
 

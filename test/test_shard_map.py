@@ -18,7 +18,7 @@ import torch_xla_jaxbridge as jb
 from kernels import decoder_case, kernel_decoder
 from parity import part
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._integrations import shard_map
+from torch_xla_jaxbridge._interop import shard_map
 
 TOL = 1e-4
 

@@ -6,10 +6,11 @@ calls, layer stacks and optimizers read their inputs' shardings and give them to
 compute for those inputs.
 """
 import os
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_xla_private
 
 
@@ -50,3 +51,27 @@ def shard_like(tensors: Sequence[Optional[torch.Tensor]], shardings: Optional[Se
   for tensor, sharding in zip(tensors, shardings):
     if sharding is not None and tensor is not None:
       torch_xla_private.mark_sharding(tensor, sharding)
+
+
+def check_mesh(mesh: Any, where: str) -> None:
+  """SPMD on, and `mesh` over every device: what torch_xla asserts on, said with the fix.
+
+  Example:
+    >>> import numpy as np, torch_xla.distributed.spmd as xs
+    >>> check_mesh(xs.Mesh(np.arange(1), (1,), ("fsdp",)), "f")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    torch_xla_jaxbridge.errors.UsageError: f: SPMD is not enabled. ...
+  """
+  import torch_xla.runtime as xr
+
+  if not spmd_enabled():
+    raise errors.UsageError(
+        f"{where}: SPMD is not enabled. Call torch_xla.runtime.use_spmd() at the start of the "
+        f"program, before any tensor is moved to the XLA device.")
+  count = xr.global_runtime_device_count()
+  if mesh.size() != count:
+    raise errors.UsageError(
+        f"{where}: the mesh has {mesh.size()} devices (shape {tuple(mesh.mesh_shape)}) but the "
+        f"program runs on {count}. Build the mesh over every device, e.g. xs.Mesh(np.arange("
+        f"{count}), ({count},), ('fsdp',)).")

@@ -20,7 +20,7 @@ import torch
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import patching, runtime, threads, tracing
-from torch_xla_jaxbridge._core.sharding import spmd_enabled
+from torch_xla_jaxbridge._core.sharding import check_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,22 +99,6 @@ def tiles(mesh, partition_spec, shape, *, where="with_sharding_constraint"):
   if replicated > 1:
     dims += (replicated,)
   return Tiles(dims, tuple(int(d) for d in logical.reshape(-1)), replicated > 1)
-
-
-def check_mesh(mesh, where):
-  """SPMD on, and `mesh` over every device: what torch_xla asserts on, said with the fix."""
-  import torch_xla.runtime as xr
-
-  if not spmd_enabled():
-    raise errors.UsageError(
-        f"{where}: SPMD is not enabled. Call torch_xla.runtime.use_spmd() at the start of the "
-        f"program, before any tensor is moved to the XLA device.")
-  count = xr.global_runtime_device_count()
-  if mesh.size() != count:
-    raise errors.UsageError(
-        f"{where}: the mesh has {mesh.size()} devices (shape {tuple(mesh.mesh_shape)}) but the "
-        f"program runs on {count}. Build the mesh over every device, e.g. xs.Mesh(np.arange("
-        f"{count}), ({count},), ('fsdp',)).")
 
 
 def _axis_index(mesh, names, axis, spec, where):

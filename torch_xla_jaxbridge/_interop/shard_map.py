@@ -13,7 +13,7 @@ import torch
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import runtime, tracing
-from torch_xla_jaxbridge._integrations.spmd import check_mesh
+from torch_xla_jaxbridge._core.sharding import check_mesh
 
 
 def shard_map(fn: Callable, in_specs: Any, out_specs: Any, mesh: Any = None, *,

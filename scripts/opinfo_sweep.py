@@ -72,6 +72,7 @@ FALLBACK_CLASSES = [
     ("a routine only jaxlib's runtime has (LAPACK)", "NoLoweringError"),
     ("no JAX conversion of the aten op", "has no lowering"),
     ("the op's JAX conversion fails on these arguments", "JaxTracingError"),
+    ("JAX's leak check finds a traced value in JAX's own caches", "LeakedTensorError"),
     ("other", ""),
 ]
 

@@ -82,17 +82,25 @@ def _forward(op, sample, mode):
 
   def compare(out):
     outcome = _compare(out, expected, op, TOLERANCE)
-    if "values differ" in outcome[1] and _as_accurate_as_eager(out, expected, op, sample):
+    if "values differ" in outcome[1] and _compact(sample) and _as_accurate_as_eager(
+        out, expected, op, sample):
       return ["pass", "as close to torch's float64 result as eager float32 is"]
     return outcome
 
   return _run(op, sample, mode, compare)
 
 
+def _compact(sample):
+  """Whether every tensor of the sample is its whole storage, in order: only then do a float64
+  copy and the XLA device see what eager's op saw (`as_strided` reads the storage)."""
+  return all(t.is_contiguous() and t.storage_offset() == 0 and
+             t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in _tensors(sample))
+
+
 def _as_accurate_as_eager(got, expected, op, sample):
   """Whether `got` is as close to the op's float64 result as eager's float32 one (within 2x,
-  or the tolerance): where two float32 algorithms differ (JAX's `expm` and torch's), neither is
-  the yardstick."""
+  or the tolerance), eager being close to it (1%): where two float32 algorithms differ (JAX's
+  `expm` and torch's), neither is the yardstick."""
   leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
   leaves = [leaf.detach().double() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
             else leaf for leaf in leaves]
@@ -105,7 +113,8 @@ def _as_accurate_as_eager(got, expected, op, sample):
     if isinstance(e, torch.Tensor) and e.is_floating_point():
       scale = r.abs() + TOLERANCE["atol"]
       error = lambda t: ((t.cpu().double() - r).abs() / scale).max().item()  # noqa: E731
-      if not error(g) <= 2 * max(error(e.detach()), TOLERANCE["rtol"]):
+      eager = error(e.detach())
+      if eager > 1e-2 or not error(g) <= 2 * max(eager, TOLERANCE["rtol"]):
         return False
   return True
 
@@ -130,11 +139,10 @@ def _backward(op, sample, mode):
     got = [g.cpu() for g in _grads(got_outs, moved_inputs,
                                    [c.to(got_outs[0].device) for c in cotangents])]
     outcome = _compare(got, expected, op, GRAD_TOLERANCE)
-    if outcome[0] == "fail" and _compare(got, _numerical_grads(op, sample, differentiable,
+    if outcome[0] == "fail" and _compact(sample) and _compare(got, _numerical_grads(op, sample, differentiable,
                                                                cotangents), op,
                                          GRAD_TOLERANCE)[0] == "pass":
-      return ["pass", "equal to the numerical gradient, where torch's eager gradient is not "
-                      "(it fails torch.autograd.gradcheck)"]
+      return ["pass", "equal to the float64 numerical gradient, where eager's is not"]
     return outcome
 
   moved_inputs = []

@@ -8,13 +8,11 @@ While the package lowers for CPU, every convolution is emitted channels-last bet
 which XLA folds into layouts where it can; the values are the same.
 """
 import contextlib
-import threading
 
 from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._core import threads
 
-_ACTIVE = threading.local()  # .on: this thread is lowering for CPU
-_INSTALLED = []
-_LOCK = threading.Lock()
+_ACTIVE = threads.Switch()  # on: this thread is lowering for CPU
 
 
 @contextlib.contextmanager
@@ -31,19 +29,13 @@ def channels_last():
     True
   """
   _install()
-  before = getattr(_ACTIVE, "on", False)
-  _ACTIVE.on = True
-  try:
+  with _ACTIVE.on():
     yield
-  finally:
-    _ACTIVE.on = before
 
 
+@threads.once
 def _install():
-  with _LOCK:
-    if not _INSTALLED:
-      jax_private.wrap_cpu_lowering(jax_private.conv_general_dilated_primitive(), _rule_over)
-      _INSTALLED.append(True)
+  jax_private.wrap_cpu_lowering(jax_private.conv_general_dilated_primitive(), _rule_over)
 
 
 def _channels_last_specs(rank):
@@ -58,7 +50,7 @@ def _rule_over(original):
   def rule(ctx, lhs, rhs, *, dimension_numbers, **params):
     specs = tuple(tuple(s) for s in dimension_numbers)
     target = _channels_last_specs(len(specs[0]))
-    if not getattr(_ACTIVE, "on", False) or specs == target:
+    if not _ACTIVE.is_on() or specs == target:
       return original(ctx, lhs, rhs, dimension_numbers=dimension_numbers, **params)
     (lhs_spec, rhs_spec, out_spec) = specs
     primitive = jax_private.conv_general_dilated_primitive()

@@ -9,16 +9,14 @@ compiles. Linear algebra with no such lowering (eigenvalues, SVD, ...) is caught
 `lowering.refuse_foreign_custom_calls` and the region falls back.
 """
 import contextlib
-import threading
 
 from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._core import threads
 
 # Primitives whose lowering for other platforms XLA:CPU runs.
 PORTABLE = ("cholesky", "triangular_solve", "lu", "geqrf", "householder_product")
 
-_ACTIVE = threading.local()  # .on: this thread is lowering for torch_xla's CPU runtime
-_INSTALLED = []
-_LOCK = threading.Lock()
+_ACTIVE = threads.Switch()  # on: this thread is lowering for torch_xla's CPU runtime
 
 
 @contextlib.contextmanager
@@ -34,21 +32,15 @@ def portable_linalg():
     (False, True)
   """
   _install()
-  before = getattr(_ACTIVE, "on", False)
-  _ACTIVE.on = True
-  try:
+  with _ACTIVE.on():
     yield
-  finally:
-    _ACTIVE.on = before
 
 
+@threads.once
 def _install():
-  with _LOCK:
-    if not _INSTALLED:
-      for primitive in jax_private.linalg_primitives(*PORTABLE):
-        jax_private.wrap_cpu_lowering(
-            primitive, _rule_over(jax_private.generic_lowering_rule(primitive)))
-      _INSTALLED.append(True)
+  for primitive in jax_private.linalg_primitives(*PORTABLE):
+    jax_private.wrap_cpu_lowering(primitive,
+                                  _rule_over(jax_private.generic_lowering_rule(primitive)))
 
 
 def _rule_over(portable):
@@ -56,7 +48,7 @@ def _rule_over(portable):
 
   def wrapper(original):
     def rule(ctx, *operands, **params):
-      chosen = portable if getattr(_ACTIVE, "on", False) else original
+      chosen = portable if _ACTIVE.is_on() else original
       return chosen(ctx, *operands, **params)
 
     return rule

@@ -7,12 +7,11 @@ when it returns. Bridged calls with a policy, bridged calls in bridged code and 
 checkpoint inside bridged code all put their backward there.
 """
 import contextlib
-import threading
 from typing import Any, Callable, Iterator
 
-from torch_xla_jaxbridge._core import runtime
+from torch_xla_jaxbridge._core import runtime, threads
 
-_DIFFERENTIATED = threading.local()  # .on: the function being traced is under jax.vjp / grad
+_DIFFERENTIATED = threads.Switch()  # on: the function being traced is under jax.vjp / grad
 
 
 @contextlib.contextmanager
@@ -27,12 +26,8 @@ def differentiated() -> Iterator[None]:
     >>> is_differentiated()
     False
   """
-  before = getattr(_DIFFERENTIATED, "on", False)
-  _DIFFERENTIATED.on = True
-  try:
+  with _DIFFERENTIATED.on():
     yield
-  finally:
-    _DIFFERENTIATED.on = before
 
 
 def is_differentiated() -> bool:
@@ -42,7 +37,7 @@ def is_differentiated() -> bool:
     >>> is_differentiated()
     False
   """
-  return getattr(_DIFFERENTIATED, "on", False)
+  return _DIFFERENTIATED.is_on()
 
 
 def sequenced(fn: Callable) -> Callable:

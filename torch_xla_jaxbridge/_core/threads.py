@@ -5,9 +5,10 @@ is set per trace, so one trace runs at a time (`TRACING`, re-entrant for traces 
 calls that find their signature in the cache do not wait. One-time set-up (pytree registrations,
 the environment, kernels) runs once whichever thread comes first (`once`).
 """
+import contextlib
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 TRACING = threading.RLock()
 
@@ -35,3 +36,31 @@ def once(fn: Callable[[], Any]) -> Callable[[], Any]:
 
   wrapper.done = lambda: bool(result)
   return wrapper
+
+
+class Switch:
+  """A per-thread switch, on inside `with switch.on():` in the thread that entered the block.
+
+  Example:
+    >>> switch = Switch()
+    >>> with switch.on():
+    ...   switch.is_on()
+    True
+    >>> switch.is_on()
+    False
+  """
+
+  def __init__(self) -> None:
+    self._local = threading.local()
+
+  def is_on(self) -> bool:
+    return getattr(self._local, "on", False)
+
+  @contextlib.contextmanager
+  def on(self) -> Iterator[None]:
+    before = self.is_on()
+    self._local.on = True
+    try:
+      yield
+    finally:
+      self._local.on = before

@@ -7,7 +7,8 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge._compat import jax_private, torch_private, torch_xla_private, torchax_private
+from torch_xla_jaxbridge._compat import (jax_lowering_private, jax_private, torch_private,
+                                         torch_xla_private, torchax_private)
 from torch_xla_jaxbridge._training.memory import compiled_memory
 from torch_xla_jaxbridge._core import tracing
 
@@ -284,7 +285,7 @@ def test_hlo_text_round_trips_through_the_proto():
 
 
 def test_a_wrapped_cpu_lowering_rule_replaces_the_primitives_lowering():
-  primitive = jax_private.conv_general_dilated_primitive()
+  primitive = jax_lowering_private.conv_general_dilated_primitive()
   assert primitive is jax.lax.conv_general_dilated_p
   armed = []
 
@@ -293,10 +294,10 @@ def test_a_wrapped_cpu_lowering_rule_replaces_the_primitives_lowering():
       if not armed:  # left installed after the test, it changes nothing
         return original(ctx, *operands, **params)
       zeros = lambda x, w: jax.numpy.zeros(ctx.avals_out[0].shape, x.dtype)  # noqa: E731
-      return jax_private.lower_fun(zeros)(ctx, *operands)
+      return jax_lowering_private.lower_fun(zeros)(ctx, *operands)
     return rule
 
-  jax_private.wrap_cpu_lowering(primitive, wrapper)
+  jax_lowering_private.wrap_cpu_lowering(primitive, wrapper)
   x, w = jax.numpy.ones((1, 1, 3)), jax.numpy.ones((1, 1, 1))
   armed.append(True)
   replaced = jax.jit(lambda x, w: jax.lax.conv(x, w, (1,), "VALID"))(x, w)
@@ -305,19 +306,40 @@ def test_a_wrapped_cpu_lowering_rule_replaces_the_primitives_lowering():
   assert replaced.tolist() == [[[0.0, 0.0, 0.0]]] and original.tolist() == [[[1.0, 1.0, 1.0]]]
 
 def test_generic_lowering_rules_and_linalg_primitives_are_found():
-  cholesky, lu = jax_private.linalg_primitives("cholesky", "lu")
+  cholesky, lu = jax_lowering_private.linalg_primitives("cholesky", "lu")
   assert cholesky is jax.lax.linalg.cholesky_p and lu is jax.lax.linalg.lu_p
-  assert callable(jax_private.generic_lowering_rule(cholesky))
-  assert jax_private.generic_lowering_rule(jax_private.linalg_primitives("eig")[0]) is None
+  assert callable(jax_lowering_private.generic_lowering_rule(cholesky))
+  assert jax_lowering_private.generic_lowering_rule(jax_lowering_private.linalg_primitives("eig")[0]) is None
 
 
 def test_jaxlibs_own_custom_call_targets_are_listed():
-  targets = jax_private.jaxlib_custom_call_targets()
+  targets = jax_lowering_private.jaxlib_custom_call_targets()
   spd = jax.ShapeDtypeStruct((3, 3), "float32")
   text = jax.jit(jax.numpy.linalg.cholesky).lower(spd).as_text()
   callback = jax.jit(lambda x: jax.pure_callback(lambda a: a, spd, x)).lower(spd).as_text()
   assert "lapack_spotrf_ffi" in targets and "lapack_spotrf_ffi" in text
   assert [t for t in targets if f"@{t}(" in callback] == ["xla_ffi_python_cpu_callback"]
+
+
+def test_an_identity_primitive_is_linear_batches_and_lowers_as_told():
+  seen = []
+
+  def lower(ctx, x, *, tag):
+    seen.append(tag)
+    return [x]
+
+  noted = jax_lowering_private.identity_primitive("compat_noted", lower,
+                                         lambda dim, *, tag: {"tag": f"{tag}@{dim}"})
+  assert jax.grad(lambda x: noted.bind(x * 2.0, tag="t") * 3.0)(1.0) == 6.0
+  out = jax.jit(jax.vmap(lambda x: noted.bind(x, tag="t"), in_axes=1))(jax.numpy.ones((2, 3)))
+  assert out.shape == (3, 2) and "t@1" in seen  # the operand batched at its axis 1
+
+
+def test_a_jaxprs_function_takes_other_constants():
+  w = jax.numpy.float32(2.0)
+  closed = jax.make_jaxpr(lambda x: x * w + 1.0)(1.0)
+  assert jax_private.jaxpr_function(closed.jaxpr, closed.consts)(3.0)[0] == 7.0
+  assert jax_private.jaxpr_function(closed.jaxpr, [jax.numpy.float32(5.0)])(3.0)[0] == 16.0
 
 
 _COMPAT_LIB = torch.library.Library("jbcompat", "DEF")

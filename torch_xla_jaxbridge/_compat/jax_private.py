@@ -59,33 +59,6 @@ def gspmd_partitioner() -> Any:
   return config.use_shardy_partitioner(False)
 
 
-def wrap_with_sharding_op(ctx: Any, value: Any, aval: Any, op_sharding: Any) -> Any:
-  """Lowering helper: an HLO `Sharding` custom call on `value` (GSPMD form under
-  `gspmd_partitioner()`). Used by `jb.spmd`'s constraint primitive; `jax.lax.with_sharding_
-  constraint` would need a JAX mesh over JAX's devices, which torch_xla owns.
-
-  Example:
-    >>> callable(wrap_with_sharding_op)
-    True
-  """
-  from jax._src.interpreters import mlir
-
-  return mlir.wrap_with_sharding_op(ctx, value, aval, op_sharding)
-
-
-def op_sharding() -> Any:
-  """A new, empty `xla_client.OpSharding` (the proto JAX lowers shardings from).
-
-  Example:
-    >>> op_sharding().tile_assignment_dimensions
-    []
-  """
-  _jax()
-  from jax._src.lib import xla_client
-
-  return xla_client.OpSharding()
-
-
 def is_checkpoint_name(primitive: Any) -> bool:
   """Whether a jaxpr equation's primitive is the one `jax.ad_checkpoint.checkpoint_name` binds;
   its `params["name"]` is the name. Used to name residuals in `jb.saved_residuals`.
@@ -273,106 +246,18 @@ def vjp_without_known_values(vjp_fn: Any) -> Any:
                  partial(functools.partial(inner.func.func, cleaned, jaxpr), *inner.args))
 
 
-def wrap_cpu_lowering(primitive: Any, wrapper: Callable) -> None:
-  """Replaces `primitive`'s CPU lowering rule by `wrapper(original_rule)`, the rule called as
-  `rule(ctx, *operands, **params)`; `mlir.lower_fun` builds a rule from a JAX function. The
-  project's own rules need it where XLA:CPU wants another form of the same operation
-  (`_core.cpu_convolutions`). Breaks if JAX renames its lowering table: `test_compat` checks.
-  Public alternative: `jax.extend`'s `mlir.register_lowering`, which cannot read the rule it
-  replaces.
+def jaxpr_function(jaxpr: Any, consts: list) -> Callable:
+  """The function the open `jaxpr` computes with its constants bound to `consts` (traced values
+  may stand for them). Public alternative: `jax.extend.core`'s `jaxpr_as_fun` and `ClosedJaxpr`,
+  which JAX changes between versions: `test_compat` checks.
 
   Example:
     >>> jax = _jax()
-    >>> from jax._src.lax import lax
-    >>> wrap_cpu_lowering(lax.neg_p, lambda rule: rule)
+    >>> closed = jax.make_jaxpr(lambda x: x * 2.0)(1.0)
+    >>> jaxpr_function(closed.jaxpr, closed.consts)(3.0)
+    [Array(6., dtype=float32, weak_type=True)]
   """
   _jax()
-  from jax._src.interpreters import mlir
+  from jax.extend import core
 
-  table = mlir._platform_specific_lowerings["cpu"]
-  original = table.get(primitive) or mlir._lowerings[primitive]
-  table[primitive] = mlir.LoweringRuleEntry(wrapper(original.rule), original.inline)
-
-
-def lower_fun(fn: Callable) -> Callable:
-  """A lowering rule that lowers the JAX function `fn(*operands)` (one result) in place of the
-  primitive. Public alternative: none (`jax.extend.mlir` has no `lower_fun`).
-
-  Example:
-    >>> callable(lower_fun(lambda x: x))
-    True
-  """
-  _jax()
-  from jax._src.interpreters import mlir
-
-  return mlir.lower_fun(fn, multiple_results=False)
-
-
-def conv_general_dilated_primitive() -> Any:
-  """The primitive `jax.lax.conv_general_dilated` binds; its params are the call's keywords, with
-  `dimension_numbers` a `ConvDimensionNumbers` of (lhs_spec, rhs_spec, out_spec).
-
-  Example:
-    >>> conv_general_dilated_primitive().name
-    'conv_general_dilated'
-  """
-  _jax()
-  from jax._src.lax import convolution
-
-  return convolution.conv_general_dilated_p
-
-
-def generic_lowering_rule(primitive: Any) -> Optional[Callable]:
-  """`primitive`'s lowering rule for any platform (the one a platform without its own uses), or
-  None where it has none. Breaks if JAX renames its lowering table: `test_compat` checks.
-  Public alternative: none (`mlir.register_lowering` writes the table but cannot read it).
-
-  Example:
-    >>> from jax._src.lax import linalg
-    >>> callable(generic_lowering_rule(linalg.cholesky_p))
-    True
-  """
-  _jax()
-  from jax._src.interpreters import mlir
-
-  entry = mlir._lowerings.get(primitive)
-  return entry.rule if entry is not None else None
-
-
-def linalg_primitives(*names: str) -> list:
-  """The primitives of `jax.lax.linalg` named `names` (e.g. "cholesky" for `cholesky_p`).
-  Public alternative: none (`jax.lax.linalg` exports the functions, not the primitives).
-
-  Example:
-    >>> [p.name for p in linalg_primitives("cholesky", "lu")]
-    ['cholesky', 'lu']
-  """
-  _jax()
-  from jax._src.lax import linalg
-
-  return [getattr(linalg, f"{name}_p") for name in names]
-
-
-def jaxlib_custom_call_targets() -> frozenset:
-  """The custom call targets jaxlib registers with JAX's own XLA runtime (LAPACK, cuSOLVER,
-  cuSPARSE, ... and the Python callbacks): programs that call them run only there. Breaks if
-  jaxlib moves its `registrations()`; `test_compat` checks LAPACK's Cholesky is among them.
-
-  Example:
-    >>> "lapack_spotrf_ffi" in jaxlib_custom_call_targets()
-    True
-  """
-  _jax()
-  import importlib
-
-  names = set()
-  for module in ("lapack", "cpu_sparse", "gpu_linalg", "gpu_prng", "gpu_solver", "gpu_sparse"):
-    try:
-      registrations = importlib.import_module(f"jaxlib.{module}").registrations()
-    except (ImportError, AttributeError):  # a plugin this jaxlib build does not have
-      continue
-    names.update(entry[0] for entries in registrations.values() for entry in entries)
-  for kind in ("python", "ffi_python", "ffi_partitioned_python"):
-    names.update(f"xla_{kind}_{platform}_callback" for platform in ("cpu", "gpu"))
-  names.add("xla_buffer_python_gpu_callback")
-  return frozenset(names)
+  return core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, consts))

@@ -9,7 +9,7 @@ which XLA folds into layouts where it can; the values are the same.
 """
 import contextlib
 
-from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._compat import jax_lowering_private
 from torch_xla_jaxbridge._core import threads
 
 _ACTIVE = threads.Switch()  # on: this thread is lowering for CPU
@@ -35,7 +35,7 @@ def channels_last():
 
 @threads.once
 def _install():
-  jax_private.wrap_cpu_lowering(jax_private.conv_general_dilated_primitive(), _rule_over)
+  jax_lowering_private.wrap_cpu_lowering(jax_lowering_private.conv_general_dilated_primitive(), _rule_over)
 
 
 def _channels_last_specs(rank):
@@ -53,7 +53,7 @@ def _rule_over(original):
     if not _ACTIVE.is_on() or specs == target:
       return original(ctx, lhs, rhs, dimension_numbers=dimension_numbers, **params)
     (lhs_spec, rhs_spec, out_spec) = specs
-    primitive = jax_private.conv_general_dilated_primitive()
+    primitive = jax_lowering_private.conv_general_dilated_primitive()
 
     def transposed(x, w):
       x = x.transpose((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
@@ -64,6 +64,6 @@ def _rule_over(original):
         back[dim] = axis
       return y.transpose(back)
 
-    return jax_private.lower_fun(transposed)(ctx, lhs, rhs)
+    return jax_lowering_private.lower_fun(transposed)(ctx, lhs, rhs)
 
   return rule

@@ -10,7 +10,7 @@ compiles. Linear algebra with no such lowering (eigenvalues, SVD, ...) is caught
 """
 import contextlib
 
-from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._compat import jax_lowering_private
 from torch_xla_jaxbridge._core import threads
 
 # Primitives whose lowering for other platforms XLA:CPU runs.
@@ -38,9 +38,9 @@ def portable_linalg():
 
 @threads.once
 def _install():
-  for primitive in jax_private.linalg_primitives(*PORTABLE):
-    jax_private.wrap_cpu_lowering(primitive,
-                                  _rule_over(jax_private.generic_lowering_rule(primitive)))
+  for primitive in jax_lowering_private.linalg_primitives(*PORTABLE):
+    jax_lowering_private.wrap_cpu_lowering(primitive,
+                                  _rule_over(jax_lowering_private.generic_lowering_rule(primitive)))
 
 
 def _rule_over(portable):

@@ -15,7 +15,7 @@ import types
 import weakref
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
+from torch_xla_jaxbridge._compat import jax_lowering_private, jax_private, torch_xla_private
 from torch_xla_jaxbridge._core import cpu_convolutions, cpu_linalg, dtypes, runtime
 
 logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
@@ -113,7 +113,7 @@ def refuse_foreign_custom_calls(proto: bytes, op_name: str) -> None:
 def _foreign_targets() -> dict:
   """jaxlib's custom call targets by their prefix (a fast first test on large programs)."""
   targets = collections.defaultdict(list)
-  for name in jax_private.jaxlib_custom_call_targets():
+  for name in jax_lowering_private.jaxlib_custom_call_targets():
     targets[name.split("_")[0].encode() + b"_"].append(name)
   return dict(targets)
 

@@ -9,6 +9,7 @@ checkpoint inside bridged code all put their backward there.
 import contextlib
 from typing import Any, Callable, Iterator
 
+from torch_xla_jaxbridge._compat import jax_private
 from torch_xla_jaxbridge._core import runtime, threads
 
 _DIFFERENTIATED = threads.Switch()  # on: the function being traced is under jax.vjp / grad
@@ -93,14 +94,12 @@ def sequenced_call(fn: Callable, *arrays: Any) -> Any:
     -0.4161
   """
   jax = runtime.jax_module()
-  from jax.extend import core
-
   closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*arrays)
   count, tree = len(arrays), jax.tree.structure(shapes)
 
   def evaluate(*values):
     inputs, consts = values[:count], list(values[count:])
-    return jax.tree.unflatten(tree, core.jaxpr_as_fun(core.ClosedJaxpr(closed.jaxpr, consts))(
+    return jax.tree.unflatten(tree, jax_private.jaxpr_function(closed.jaxpr, consts)(
         *jax.tree.leaves(inputs)))
 
   return sequenced(evaluate)(*arrays, *closed.consts)

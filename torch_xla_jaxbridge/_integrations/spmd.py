@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._compat import jax_private, torch_xla_private, torchax_private
+from torch_xla_jaxbridge._compat import jax_lowering_private, torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import patching, runtime, threads, tracing
 from torch_xla_jaxbridge._core.sharding import check_mesh
 
@@ -33,7 +33,7 @@ class Tiles:
 
   def op_sharding(self):
     """The `xla_client.OpSharding` JAX's lowering attaches to the constraint."""
-    op = jax_private.op_sharding()
+    op = jax_lowering_private.op_sharding()
     if all(d == 1 for d in self.dims):
       op.type = type(op).Type.REPLICATED
       return op
@@ -116,29 +116,14 @@ def _primitive():
   """The constraint as a JAX primitive: identity on values, an HLO `Sharding` custom call when
   lowered; its transpose constrains the cotangent the same way (as `with_sharding_constraint`)."""
   runtime.jax_module()
-  from jax.extend.core import Primitive
-  from jax.interpreters import ad, batching
-  from jax.interpreters import mlir
-
-  constraint = Primitive("jaxbridge_sharding_constraint")
-  constraint.def_impl(lambda x, *, tiles: x)
-  constraint.def_abstract_eval(lambda x, *, tiles: x)
-  ad.deflinear2(constraint, lambda ct, x, *, tiles: [constraint.bind(ct, tiles=tiles)])
-
-  def batched(args, dims, *, tiles):
-    (x,), (dim,) = args, dims
-    if dim is batching.not_mapped:
-      return constraint.bind(x, tiles=tiles), dim
-    return constraint.bind(x, tiles=tiles.insert_dim(dim)), dim
-
-  batching.primitive_batchers[constraint] = batched
 
   def lower(ctx, x, *, tiles):
     # GSPMD form (mhlo.sharding) whatever the partitioner flag: torch_xla partitions with GSPMD
-    return [jax_private.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], tiles.op_sharding())]
+    return [jax_lowering_private.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], tiles.op_sharding())]
 
-  mlir.register_lowering(constraint, lower)
-  return constraint
+  return jax_lowering_private.identity_primitive(
+      "jaxbridge_sharding_constraint", lower,
+      lambda dim, *, tiles: {"tiles": tiles.insert_dim(dim)})
 
 
 def with_sharding_constraint(x: Any, mesh: Any, partition_spec: Sequence) -> Any:

@@ -159,25 +159,9 @@ def train_steps(name, steps=2, padding="right", layerdrop=0.0, classes=None):
   model, moved = build(name, layerdrop)
   if classes:
     jb.bridge_modules(moved, classes)
-  inputs = batch(name, padding)
-  eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-  opt = jb.optim.AdamW(moved.parameters(), lr=1e-3, max_grad_norm=0.5)
-  step = jb.train_step(lambda b: moved(**b).loss, opt)
-  on_device = {k: v.to("xla") for k, v in inputs.items()}
-  eager, eager_norms, losses, norms = [], [], [], []
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jb.errors.FallbackWarning)
-    for _ in range(steps):
-      eager_opt.zero_grad()
-      loss = model(**inputs).loss
-      loss.backward()
-      eager_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-      eager_opt.step()
-      eager.append(loss.item())
-      losses.append(step(on_device))
-      norms.append(opt.grad_norm)
-      torch_xla.sync()
-  return eager, [l.item() for l in losses], eager_norms, [n.item() for n in norms]
+    return zoo.eager_against_train_step(model, moved, batch(name, padding), steps)
 
 
 LR = 2.0 ** 10

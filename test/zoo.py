@@ -130,6 +130,13 @@ def one_node_steps(name, steps=3):
   with its defaults (one node a step)."""
   model, inputs = build(name)
   moved, _ = on_xla(model, name, "whole")
+  return eager_against_train_step(model, moved, inputs, steps)
+
+
+def eager_against_train_step(model, moved, inputs, steps):
+  """`(eager losses, losses, eager grad norms, grad norms)` of `steps` AdamW steps clipped at
+  0.5: `model` with torch's AdamW on CPU (backward, clip_grad_norm_, step) against its XLA copy
+  `moved` under `jb.train_step` with `jb.optim.AdamW`, both called as `model(**inputs).loss`."""
   eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
   opt = jb.optim.AdamW(moved.parameters(), lr=1e-3, max_grad_norm=0.5)
   on_device = {k: v.to("xla") for k, v in inputs.items()}

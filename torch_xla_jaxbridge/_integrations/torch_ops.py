@@ -4,7 +4,7 @@ Always on, registered with `tracing` on import: `F.linear` (for the form of its 
 gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
 lacks the second), `F.scaled_dot_product_attention` (torch's math form, every argument) and
 `torch.allclose` (a Python bool, as torch returns), Cholesky (torch's triangle read and
-gradient), `polygamma` and `digamma` (right for negative inputs), `_safe_softmax` (no NaN
+gradient), `polygamma` and `digamma` (right for negative inputs), `searchsorted` (every argument), `_safe_softmax` (no NaN
 gradient for a row all -inf).
 Batch norm has its own module (`batch_norm`).
 """
@@ -335,7 +335,37 @@ def _digamma():
   return digamma
 
 
+def searchsorted(sorted_sequence, input, *, out_int32=False, right=False, side=None,
+                 sorter=None):
+  """`torch.searchsorted` with every argument torch takes (`right`, `side`, `sorter`,
+  `out_int32`, a batch of sorted rows), where torchax's took the first two and one row only.
+
+  Example:
+    >>> from torch_xla_jaxbridge import bridge
+    >>> rows = torch.tensor([[1.0, 2.0, 2.0], [0.0, 5.0, 9.0]], device="xla")
+    >>> bridge(lambda a, v: torch.searchsorted(a, v, right=True))(
+    ...     rows, torch.tensor([[2.0], [5.0]], device="xla")).cpu().tolist()
+    [[3], [2]]
+  """
+  jax = runtime.jax_module()
+  jnp = jax.numpy
+  rows = sorted_sequence.jax()
+  values = input.jax() if isinstance(input, tracing.torchax_tensor_type()) else jnp.asarray(input)
+  if sorter is not None:
+    rows = jnp.take_along_axis(rows, sorter.jax(), axis=-1)
+  side = side or ("right" if right else "left")
+  find = lambda row, v: jnp.searchsorted(row, v, side=side)  # noqa: E731
+  if rows.ndim == 1:
+    out = find(rows, values)
+  else:
+    flat = values.reshape(-1, values.shape[-1])
+    out = jax.vmap(find)(rows.reshape(-1, rows.shape[-1]), flat).reshape(values.shape)
+  return tracing.to_torchax(out.astype(jnp.int32 if out_int32 else jnp.int64))
+
+
 tracing.register_op_override(torch.nn.functional.linear, linear)
+tracing.register_op_override(torch.ops.aten.searchsorted.Tensor, searchsorted)
+tracing.register_op_override(torch.ops.aten.searchsorted.Scalar, searchsorted)
 tracing.register_op_override(torch.ops.aten.polygamma.default, polygamma)
 tracing.register_op_override(torch.ops.aten.digamma.default, digamma)
 tracing.register_op_override(torch.ops.aten._safe_softmax.default, _safe_softmax)

@@ -97,13 +97,18 @@ def _compact(sample):
              t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in _tensors(sample))
 
 
+def _in_float64(sample):
+  """The sample's leaves with each float tensor a float64 copy of its own, and their pytree."""
+  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+  return [leaf.detach().double().contiguous() if isinstance(leaf, torch.Tensor) and
+          leaf.is_floating_point() else leaf for leaf in leaves], spec
+
+
 def _as_accurate_as_eager(got, expected, op, sample):
   """Whether `got` is as close to the op's float64 result as eager's float32 one (within 2x,
   or the tolerance), eager being close to it (1%): where two float32 algorithms differ (JAX's
   `expm` and torch's), neither is the yardstick."""
-  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
-  leaves = [leaf.detach().double() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
-            else leaf for leaf in leaves]
+  leaves, spec = _in_float64(sample)
   x, a, k = pytree.tree_unflatten(leaves, spec)
   try:
     reference = pytree.tree_leaves(op(x, *a, **k))
@@ -133,16 +138,17 @@ def _backward(op, sample, mode):
   expected = _grads(outs, inputs, cotangents)
 
   def compare(out):
-    got_outs = [pytree.tree_leaves(sample.output_process_fn_grad(out))[i] for i in differentiable]
+    leaves = pytree.tree_leaves(sample.output_process_fn_grad(out))
+    got_outs = [leaves[i] for i in differentiable]
     if not all(isinstance(t, torch.Tensor) and t.requires_grad for t in got_outs):
       return ["fail", f"results {differentiable} do not all require grad, as torch's do"]
     got = [g.cpu() for g in _grads(got_outs, moved_inputs,
                                    [c.to(got_outs[0].device) for c in cotangents])]
     outcome = _compare(got, expected, op, GRAD_TOLERANCE)
-    if outcome[0] == "fail" and _compact(sample) and _compare(got, _numerical_grads(op, sample, differentiable,
-                                                               cotangents), op,
-                                         GRAD_TOLERANCE)[0] == "pass":
-      return ["pass", "equal to the float64 numerical gradient, where eager's is not"]
+    if outcome[0] == "fail" and _compact(sample):
+      numerical = _numerical_grads(op, sample, differentiable, cotangents)
+      if _compare(got, numerical, op, GRAD_TOLERANCE)[0] == "pass":
+        return ["pass", "equal to the float64 numerical gradient, where eager's is not"]
     return outcome
 
   moved_inputs = []
@@ -156,10 +162,7 @@ def _differentiated(op):
 
 def _numerical_grads(op, sample, differentiable, cotangents, eps=1e-6):
   """The gradient by central differences in float64: the yardstick where torch's own differs."""
-  leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
-  leaves = [leaf.detach().double().contiguous() if isinstance(leaf, torch.Tensor) and
-            leaf.is_floating_point()
-            else leaf for leaf in leaves]
+  leaves, spec = _in_float64(sample)
   wanted = [leaf for leaf, original in zip(leaves, pytree.tree_leaves(
       (sample.input, sample.args, sample.kwargs))) if isinstance(original, torch.Tensor)
             and original.requires_grad]
@@ -226,7 +229,8 @@ def _run(op, sample, mode, compare, moved_inputs=None, function=None):
       result = compare(out)
       torch_xla.sync()
   except Exception as exc:  # the outcome of any failure is recorded, not raised
-    return ["fail", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"]
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    return ["fail", f"{type(exc).__name__}: {first_line}"]
   fell_back = [r for r in jb.bridge_report(since=since).rows if r.status == "fallback"]
   if fell_back and result[0] == "pass":
     return ["fallback", fell_back[0].reason[:300]]

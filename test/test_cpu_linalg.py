@@ -83,7 +83,8 @@ def test_cholesky_ex_says_which_minor_is_not_positive_definite(dev):
   batch = torch.stack([SPD, torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]])])
   got = jb.bridge(torch.linalg.cholesky_ex, fallback=False)(batch.to(dev))
   expected = torch.linalg.cholesky_ex(batch)
-  assert got.info.dtype == torch.int32 and got.info.cpu().tolist() == expected.info.tolist() == [0, 2]
+  assert got.info.dtype == torch.int32
+  assert got.info.cpu().tolist() == expected.info.tolist() == [0, 2]
   torch.testing.assert_close(got.L[0].cpu(), expected.L[0])
   with pytest.raises(jb.errors.DataDependentError, match="check_errors=True"):
     jb.bridge(lambda t: torch.linalg.cholesky_ex(t, check_errors=True), fallback=False)(

@@ -35,7 +35,8 @@ def channels_last():
 
 @threads.once
 def _install():
-  jax_lowering_private.wrap_cpu_lowering(jax_lowering_private.conv_general_dilated_primitive(), _rule_over)
+  jax_lowering_private.wrap_cpu_lowering(
+      jax_lowering_private.conv_general_dilated_primitive(), _rule_over)
 
 
 def _channels_last_specs(rank):

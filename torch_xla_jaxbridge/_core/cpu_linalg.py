@@ -39,8 +39,8 @@ def portable_linalg():
 @threads.once
 def _install():
   for primitive in jax_lowering_private.linalg_primitives(*PORTABLE):
-    jax_lowering_private.wrap_cpu_lowering(primitive,
-                                  _rule_over(jax_lowering_private.generic_lowering_rule(primitive)))
+    portable = jax_lowering_private.generic_lowering_rule(primitive)
+    jax_lowering_private.wrap_cpu_lowering(primitive, _rule_over(portable))
 
 
 def _rule_over(portable):

@@ -119,7 +119,8 @@ def _primitive():
 
   def lower(ctx, x, *, tiles):
     # GSPMD form (mhlo.sharding) whatever the partitioner flag: torch_xla partitions with GSPMD
-    return [jax_lowering_private.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], tiles.op_sharding())]
+    return [jax_lowering_private.wrap_with_sharding_op(ctx, x, ctx.avals_out[0],
+                                                       tiles.op_sharding())]
 
   return jax_lowering_private.identity_primitive(
       "jaxbridge_sharding_constraint", lower,

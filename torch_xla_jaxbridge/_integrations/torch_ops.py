@@ -4,8 +4,8 @@ Always on, registered with `tracing` on import: `F.linear` (for the form of its 
 gradient), `linalg_vector_norm` and `frobenius_norm` (torch's meaning of an empty `dim`; torchax
 lacks the second), `F.scaled_dot_product_attention` (torch's math form, every argument) and
 `torch.allclose` (a Python bool, as torch returns), Cholesky (torch's triangle read and
-gradient), `polygamma` and `digamma` (right for negative inputs), `searchsorted` (every argument), `_safe_softmax` (no NaN
-gradient for a row all -inf).
+gradient), `polygamma` and `digamma` (right for negative inputs), `searchsorted` (every
+argument), `_safe_softmax` (no NaN gradient for a row all -inf).
 Batch norm has its own module (`batch_norm`).
 """
 import math
@@ -222,15 +222,24 @@ def cholesky(input, upper=False):
     >>> bridge(torch.linalg.cholesky)(a).cpu().tolist()
     [[2.0, 0.0], [1.0, 2.0]]
   """
+  return tracing.to_torchax(_cholesky(input.jax(), upper)[0])
+
+
+def _adjoint(x):
+  jnp = runtime.jax_module().numpy
+  return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+def _cholesky(x, upper):
+  """(the factor, the Hermitian matrix torch reads from `x`'s lower or `upper` triangle)."""
   jax = runtime.jax_module()
   jnp = jax.numpy
-  adjoint = lambda x: jnp.conj(jnp.swapaxes(x, -1, -2))  # noqa: E731
-  a = adjoint(input.jax()) if upper else input.jax()
-  read = jnp.tril(a) + adjoint(jnp.tril(a, -1))
-  symmetric = (a + adjoint(a)) / 2  # the value read, with a symmetric gradient
+  a = _adjoint(x) if upper else x
+  read = jnp.tril(a) + _adjoint(jnp.tril(a, -1))
+  symmetric = (a + _adjoint(a)) / 2  # the value read, with a symmetric gradient
   a = jax.lax.stop_gradient(read) + symmetric - jax.lax.stop_gradient(symmetric)
   factor = jax.lax.linalg.cholesky(a, symmetrize_input=False)
-  return tracing.to_torchax(adjoint(factor) if upper else factor)
+  return (_adjoint(factor) if upper else factor), read
 
 
 def cholesky_ex(input, upper=False, check_errors=False):
@@ -249,20 +258,18 @@ def cholesky_ex(input, upper=False, check_errors=False):
     raise errors.DataDependentError(
         "torch.linalg.cholesky_ex(check_errors=True) raises depending on the values")
   jax = runtime.jax_module()
-  factor = cholesky(input, upper)
-  a = input.jax() if not upper else jax.numpy.swapaxes(input.jax(), -1, -2).conj()
-  failed = ~jax.numpy.isfinite(factor.jax()).all()
+  factor, read = _cholesky(input.jax(), upper)
+  failed = ~jax.numpy.isfinite(factor).all()
   no_failure = lambda a: jax.numpy.zeros(a.shape[:-2], jax.numpy.int32)  # noqa: E731
-  info = jax.lax.cond(failed, _first_failed_pivot, no_failure, jax.lax.stop_gradient(a))
-  return factor, tracing.to_torchax(info)
+  info = jax.lax.cond(failed, _first_failed_pivot, no_failure, jax.lax.stop_gradient(read))
+  return tracing.to_torchax(factor), tracing.to_torchax(info)
 
 
 def _first_failed_pivot(a):
-  """The order of the first leading minor of (the lower triangle of) `a` that is not
-  positive-definite, by the unblocked factorization: run only where the factor is not finite."""
+  """The order of the first leading minor of the Hermitian `a` that is not positive-definite,
+  by the unblocked factorization: run only where the factor is not finite."""
   jnp = runtime.jax_module().numpy
   n = a.shape[-1]
-  a = jnp.tril(a) + jnp.conj(jnp.swapaxes(jnp.tril(a, -1), -1, -2))
 
   def step(k, carry):
     a, info = carry
@@ -312,7 +319,8 @@ def digamma(input):
 
   Example:
     >>> from torch_xla_jaxbridge import bridge
-    >>> [round(v, 4) for v in bridge(torch.digamma)(torch.tensor([1.0, 0.0], device="xla")).cpu().tolist()]
+    >>> x = torch.tensor([1.0, 0.0], device="xla")
+    >>> [round(v, 4) for v in bridge(torch.digamma)(x).cpu().tolist()]
     [-0.5772, -inf]
   """
   return tracing.to_torchax(_digamma()(input.jax()))

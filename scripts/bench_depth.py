@@ -7,7 +7,9 @@ Modes, each (mode, depth) in its own process, alternated over rounds:
 - `plain`: LazyTensor, `loss.backward()`, `torch.optim.AdamW`;
 - `by class`: `jb.bridge_modules(model, ["LlamaDecoderLayer"])`, then as `plain`;
 - `by class + jb AdamW`: the same with `jb.optim.AdamW` (the optimizer step as one node);
-- `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`.
+- `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`,
+  its layers run as one loop;
+- `train_step unrolled`: the same with `layer_loop=False` (one copy of each layer in the program).
 
 Per run: `step 1` (wall time of the first step, trace and compile included, waiting for the
 device), `warm-up` (wall time of the steps up to and including the last one that compiled:
@@ -26,7 +28,7 @@ import time
 
 from harness import rounds, run_child, spread, table, write_json
 
-MODES = ["plain", "by class", "by class + jb AdamW", "train_step"]
+MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step unrolled"]
 
 
 def child(mode, layers, steps):
@@ -46,9 +48,10 @@ def child(mode, layers, steps):
   ids = torch.randint(0, 1000, (4, 128)).to("xla")
   if mode.startswith("by class"):
     jb.bridge_modules(model, ["LlamaDecoderLayer"])
-  if mode == "train_step":
+  if mode.startswith("train_step"):
     step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
-                         jb.optim.AdamW(model.parameters(), lr=1e-3))
+                         jb.optim.AdamW(model.parameters(), lr=1e-3),
+                         layer_loop=not mode.endswith("unrolled"))
     run = lambda: step(model, ids)  # noqa: E731
   else:
     optimizer = (jb.optim.AdamW if mode.endswith("jb AdamW") else torch.optim.AdamW)(

@@ -449,3 +449,25 @@ def test_holds_pallas_kernel_finds_a_kernel_nested_in_a_jit():
   nested = jax.make_jaxpr(lambda x: jax.jit(kernel)(x) + 1)(jax.numpy.ones(8))
   assert jax_private.holds_pallas_kernel(nested)
   assert not jax_private.holds_pallas_kernel(jax.make_jaxpr(lambda x: x * 2)(1.0))
+
+
+def test_jaxpr_readers_for_layer_chains():
+  def f(x):
+    with jax.named_scope("outer_1"):
+      with jax.named_scope("outer_2"):
+        y = x * 2.0
+    return jax.numpy.sin(y) + 1.0
+
+  closed = jax.make_jaxpr(f)(1.0)
+  mul, sin, add = closed.jaxpr.eqns
+  assert jax_private.outer_scope(mul, "outer_") == "outer_1"
+  assert jax_private.outer_scope(sin, "outer_") is None
+  assert jax_private.is_literal(mul.invars[1]) and not jax_private.is_literal(mul.invars[0])
+  assert jax_private.is_jaxpr(closed) and jax_private.jaxpr_consts(closed) == []
+  assert not jax_private.is_jaxpr(3)
+  custom = jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr.eqns[0]  # a custom_jvp_call with a function
+  again = jax.make_jaxpr(jax.nn.relu)(2.0).jaxpr.eqns[0]
+  assert jax_private.function_code(custom.params["jvp_jaxpr_fun"]) == jax_private.function_code(
+      again.params["jvp_jaxpr_fun"])
+  first_two = jax_private.equations_function(closed.jaxpr.invars, sin.outvars, [mul, sin])
+  assert float(first_two(0.25)[0]) == pytest.approx(float(jax.numpy.sin(0.5)))

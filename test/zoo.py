@@ -133,14 +133,14 @@ def one_node_steps(name, steps=3):
   return eager_against_train_step(model, moved, inputs, steps)
 
 
-def eager_against_train_step(model, moved, inputs, steps):
+def eager_against_train_step(model, moved, inputs, steps, layer_loop=True):
   """`(eager losses, losses, eager grad norms, grad norms)` of `steps` AdamW steps clipped at
   0.5: `model` with torch's AdamW on CPU (backward, clip_grad_norm_, step) against its XLA copy
   `moved` under `jb.train_step` with `jb.optim.AdamW`, both called as `model(**inputs).loss`."""
   eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
   opt = jb.optim.AdamW(moved.parameters(), lr=1e-3, max_grad_norm=0.5)
   on_device = {k: v.to("xla") for k, v in inputs.items()}
-  step = jb.train_step(lambda batch: moved(**batch).loss, opt)
+  step = jb.train_step(lambda batch: moved(**batch).loss, opt, layer_loop=layer_loop)
   eager, eager_norms, losses, norms = [], [], [], []
   for _ in range(steps):
     eager_opt.zero_grad()

@@ -261,3 +261,124 @@ def jaxpr_function(jaxpr: Any, consts: list) -> Callable:
   from jax.extend import core
 
   return core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, consts))
+
+
+def outer_scope(eqn: Any, prefix: str) -> Optional[str]:
+  """The outermost name scope (`jax.named_scope`) starting with `prefix` that a jaxpr equation
+  was traced in, or None. Reads `source_info.name_stack.stack`, JAX's internal record of scopes
+  (public alternative: none; the printed name stack joins scopes with "/").
+
+  Example:
+    >>> jax = _jax()
+    >>> def f(x):
+    ...   with jax.named_scope("layer_3"):
+    ...     return x * 2
+    >>> outer_scope(jax.make_jaxpr(f)(1.0).jaxpr.eqns[0], "layer_")
+    'layer_3'
+  """
+  for scope in eqn.source_info.name_stack.stack:
+    name = getattr(scope, "name", None)
+    if isinstance(name, str) and name.startswith(prefix):
+      return name
+  return None
+
+
+def is_literal(atom: Any) -> bool:
+  """Whether a jaxpr equation's input is a literal (a constant written into the equation).
+
+  Example:
+    >>> jax = _jax()
+    >>> is_literal(jax.make_jaxpr(lambda x: x * 2)(1.0).jaxpr.eqns[0].invars[1])
+    True
+  """
+  _jax()
+  from jax.extend import core
+
+  return isinstance(atom, core.Literal)
+
+
+def is_jaxpr(value: Any) -> bool:
+  """Whether an equation parameter is a jaxpr (open or closed).
+
+  Example:
+    >>> jax = _jax()
+    >>> is_jaxpr(jax.make_jaxpr(lambda x: x)(1.0))
+    True
+  """
+  _jax()
+  from jax.extend import core
+
+  return isinstance(value, (core.Jaxpr, core.ClosedJaxpr))
+
+
+def jaxpr_consts(value: Any) -> list:
+  """A closed jaxpr's constants (none for an open one).
+
+  Example:
+    >>> jax = _jax()
+    >>> jaxpr_consts(jax.make_jaxpr(lambda x: x)(1.0))
+    []
+  """
+  return list(getattr(value, "consts", ()))
+
+
+def function_code(value: Any) -> Optional[tuple]:
+  """The code of a function-valued equation parameter (a plain function, a partial, or JAX's
+  wrapped function of a custom rule), with the code of the functions it closes over; None for
+  other values. Two parameters with equal code compute alike where their jaxprs are equal.
+
+  Example:
+    >>> double = lambda x: x * 2
+    >>> function_code(double) == function_code(double), function_code(3) is None
+    (True, True)
+  """
+  import functools
+
+  from jax._src import linear_util
+
+  seen: list = []
+
+  def walk(fn, depth):
+    if isinstance(fn, linear_util.WrappedFun):
+      return ("wrapped", walk(fn.f, depth))
+    if isinstance(fn, functools.partial):
+      return ("partial", walk(fn.func, depth))
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4 or any(fn is s for s in seen):
+      return code
+    seen.append(fn)
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+             if _cell_full(c)]
+    return (code, tuple(walk(c, depth + 1) for c in cells if callable(c)))
+
+  if not (callable(value) or isinstance(value, linear_util.WrappedFun)):
+    return None
+  return walk(value, 0)
+
+
+def _cell_full(cell) -> bool:
+  try:
+    cell.cell_contents
+  except ValueError:
+    return False
+  return True
+
+
+def equations_function(invars: list, outvars: list, eqns: list) -> Callable:
+  """The function computing `outvars` from `invars` by the jaxpr equations `eqns` (taken from
+  a traced program), as a list of values. Public alternative: `jax.extend.core.Jaxpr`, which
+  JAX changes between versions: `test_compat` checks.
+
+  Example:
+    >>> jax = _jax()
+    >>> jaxpr = jax.make_jaxpr(lambda x: (x * 2) + 1)(1.0).jaxpr
+    >>> double = equations_function(jaxpr.invars, [jaxpr.eqns[0].outvars[0]], jaxpr.eqns[:1])
+    >>> double(3.0)
+    [Array(6., dtype=float32, weak_type=True)]
+  """
+  _jax()
+  from jax.extend import core
+
+  effects = frozenset().union(*(e.effects for e in eqns))
+  jaxpr = core.Jaxpr([], list(invars), list(outvars), list(eqns), effects)
+  return core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, []))

@@ -14,14 +14,14 @@ from torch_xla_jaxbridge import errors, optim
 from torch_xla_jaxbridge._bridge import auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._core import call, recompute, runtime, sharding
+from torch_xla_jaxbridge._core import call, layer_chains, recompute, runtime, sharding
 
 
 class TrainStep:
   """A training step made by `train_step`: call it with the loss function's arguments."""
 
   def __init__(self, loss_fn: Callable, optimizer: optim.RuleOptimizer,
-               remat: remat_policies.RematArg, fallback: bool):
+               remat: remat_policies.RematArg, fallback: bool, layer_loop: bool = True):
     if not isinstance(optimizer, optim.RuleOptimizer):
       raise errors.UsageError(
           f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs the "
@@ -31,6 +31,8 @@ class TrainStep:
     self.optimizer = optimizer
     self.name = self.bridged.name
     self.fallback = fallback
+    self.layer_loop = layer_loop
+    self._roots = None  # while a step runs: the modules the loss reads (their layers may loop)
     self._groups_key = self._diff_ids = None  # what `_trained` and `_order` were made for
     self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
                                      lambda: self.bridged.traces)
@@ -83,12 +85,16 @@ class TrainStep:
     params, positions = self._order(diff)
     states, scalars, statics = optimizer.prepare(params)
     statics = dict(statics, positions=positions)
-    loss, update, (others, mutated, layout) = bridged.keyed(
-        lambda key: call.call_jax(
-            self._step, (prepared.spec, diff, prepared.other, key, states,
-                         scalars.to(params[0].device)),
-            statics, name=f"{self.name}_train_step"),
-        params[0].device)
+    self._roots = lambda: rollback.region_of(bridged.fn, args, kwargs)[0]
+    try:
+      loss, update, (others, mutated, layout) = bridged.keyed(
+          lambda key: call.call_jax(
+              self._step, (prepared.spec, diff, prepared.other, key, states,
+                           scalars.to(params[0].device)),
+              statics, name=f"{self.name}_train_step"),
+          params[0].device)
+    finally:
+      self._roots = None
     bridging.write_back(self.name, (prepared.args, prepared.kwargs), layout.mutated, mutated, diff)
     shardings = sharding.shardings_of(params)
     if shardings is not None:  # parameters and states stay sharded as the parameters are
@@ -135,9 +141,11 @@ class TrainStep:
             f"(e.g. .mean()) and return only it.")
       return floats[0], aux
 
-    if self.bridged.policy is not None:
-      loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
     with recompute.differentiated():
+      if self.layer_loop and self._roots is not None:
+        loss_of = layer_chains.scanned(loss_of, list(diff), self._roots()) or loss_of
+      if self.bridged.policy is not None:
+        loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
       (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
                                               has_aux=True)(*diff)
     params = [diff[i] for i in positions]
@@ -154,7 +162,8 @@ def _captured(args):
 
 
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
-               remat: remat_policies.RematArg = None, fallback: bool = True) -> TrainStep:
+               remat: remat_policies.RematArg = None, fallback: bool = True,
+               layer_loop: bool = True) -> TrainStep:
   """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
   optimizer's parameters, and the optimizer's update.
 
@@ -182,4 +191,4 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
     >>> losses[-1].item() < losses[0].item()
     True
   """
-  return TrainStep(loss_fn, optimizer, remat, fallback)
+  return TrainStep(loss_fn, optimizer, remat, fallback, layer_loop)

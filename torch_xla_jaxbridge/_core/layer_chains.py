@@ -1,0 +1,429 @@
+"""Layers called one after another, found in a traced program and run as one loop.
+
+A model's loop over identical layers (`for layer in self.layers: h = layer(h, ...)`) traces into
+one copy of the layer's equations per layer: the compiled program, and its compile time, grow
+with depth. While torch code is traced, each call of a layer of a `ModuleList` runs in a JAX name
+scope of its own (`marking`); `find` then reads the traced program's equations by scope and finds
+runs of consecutive calls whose equations are the same program (same primitives, parameters and
+constants; each layer's own parameters are inputs), each call reading the previous one's output.
+`evaluate` runs the program with each such run as one `jax.lax.scan` over the layers' inputs
+stacked, so differentiating it gives one loop for the backward too. Layers are judged by the
+program they trace into, not by their attributes: Hugging Face's `layer_idx` differs between
+layers and changes nothing in training.
+"""
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._core import runtime
+
+MARK = "jb_layer_call_"
+_MARKED_CLASSES: dict = {}  # a layer class -> its subclass whose calls run in a scope
+_CALLS = itertools.count()
+
+
+@contextlib.contextmanager
+def marking(roots: Iterable[torch.nn.Module]) -> Iterator[int]:
+  """Inside the block, each call of a module held in a `ModuleList` or `Sequential` beside
+  another module of its class (the layers of a model) runs in a JAX name scope of its own, which
+  `find` reads. Each such module is given, for the block, a subclass of its class whose
+  `__call__` opens the scope; yields how many modules were marked.
+
+  Example:
+    >>> layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    >>> with marking([layers]) as count:
+    ...   marked = type(layers[0]) is not torch.nn.Linear
+    >>> count, marked, type(layers[0]) is torch.nn.Linear
+    (2, True, True)
+  """
+  swapped, seen = [], set()
+  try:
+    for root in roots:
+      for container in root.modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+          continue
+        children = list(container)
+        classes = [type(c) for c in children]
+        for child in children:
+          if id(child) not in seen and classes.count(type(child)) > 1:
+            seen.add(id(child))
+            swapped.append((child, type(child)))
+            child.__class__ = _marked_class(type(child))
+    yield len(swapped)
+  finally:
+    for child, cls in reversed(swapped):
+      child.__class__ = cls
+
+
+def _marked_class(cls):
+  found = _MARKED_CLASSES.get(cls)
+  if found is None:
+    def __call__(self, *args, **kwargs):
+      with runtime.jax_module().named_scope(f"{MARK}{next(_CALLS)}"):
+        return cls.__call__(self, *args, **kwargs)
+
+    found = _MARKED_CLASSES[cls] = type(cls.__name__, (cls,), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__call__": __call__})
+  return found
+
+
+@dataclasses.dataclass
+class Chain:
+  """Consecutive calls traced into the same program: `segments[i]` holds the equation indices of
+  call i; `carried[k]` is an input of call 0 whose next value is call 0's variable
+  `carried_out[k]`; `stacked` are inputs that differ per call (`stacked_per_call[i]` call i's),
+  `shared` those every call reads; `outputs` the variables of call 0 whose per-call values are
+  read after the chain (`maps[i]` maps call 0's variables to call i's)."""
+  segments: list
+  maps: list
+  carried: list
+  carried_out: list
+  stacked_per_call: list
+  shared: list
+  outputs: list = dataclasses.field(default_factory=list)
+
+  @property
+  def start(self) -> int:
+    return self.segments[0][0]
+
+
+def find(jaxpr: Any, min_calls: int = 2) -> list:
+  """The chains of `jaxpr` (an open jaxpr traced inside `marking`) with at least `min_calls`
+  calls, in program order.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> def two_layers(h, w0, w1):
+    ...   for w in (w0, w1):
+    ...     with jax.named_scope(f"{MARK}{w is w1}"):
+    ...       h = jax.numpy.tanh(h @ w)
+    ...   return h.sum()
+    >>> x = jax.numpy.ones((2, 2))
+    >>> chains = find(jax.make_jaxpr(two_layers)(x, x, x).jaxpr)
+    >>> len(chains), len(chains[0].segments), len(chains[0].stacked_per_call[0])
+    (1, 2, 1)
+  """
+  segments = _segments(jaxpr.eqns)
+  defined_at = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  chains, i = [], 0
+  while i < len(segments):
+    chain = _grow(jaxpr.eqns, segments, i, defined_at)
+    if chain is not None and len(chain.segments) >= min_calls:
+      chains.append(chain)
+      i += len(chain.segments)
+    else:
+      i += 1
+  for chain in chains:
+    _set_outputs(jaxpr, chain)
+  return chains
+
+
+def _segments(eqns):
+  """Each marked call's equation indices (by its outermost scope), in program order."""
+  runs: list = []
+  last = None
+  for index, eqn in enumerate(eqns):
+    call = jax_private.outer_scope(eqn, MARK)
+    if call is None:
+      last = None
+      continue
+    if call != last:
+      runs.append([])
+      last = call
+    runs[-1].append(index)
+  return runs
+
+
+def _grow(eqns, segments, first, defined_at):
+  """The longest chain starting at `segments[first]`, or None."""
+  base = segments[first]
+  if any(eqns[k].effects for k in base):
+    return None
+  inputs0, map0 = _external_inputs(eqns, base)
+  chain = Chain([base], [map0], [], [], [[] for _ in inputs0], [])
+  kinds = None
+  start = base[0]
+  for seg in segments[first + 1:]:
+    mapped = _match(eqns, base, seg)
+    if mapped is None:
+      break
+    mapping, inputs = mapped
+    if len(inputs) != len(inputs0):
+      break
+    previous = chain.maps[-1]
+    back = {v: k for k, v in previous.items()}  # previous call's variables -> call 0's
+    these = []
+    for a0, a in zip(inputs0, inputs):
+      if a is a0:
+        these.append(("shared", None))
+      elif a in back:
+        these.append(("carried", back[a]))
+      elif _defined_before(a, start, defined_at):
+        these.append(("stacked", None))
+      else:
+        these = None
+        break
+    if these is None or (kinds is not None and these != kinds):
+      break
+    kinds = these
+    chain.segments.append(seg)
+    chain.maps.append(mapping)
+    for j, a in enumerate(inputs):
+      chain.stacked_per_call[j].append(a)
+  if kinds is None:
+    return chain
+  for j, (kind, out) in enumerate(kinds):
+    if kind == "carried":
+      chain.carried.append(inputs0[j])
+      chain.carried_out.append(out)
+    elif kind == "shared":
+      chain.shared.append(inputs0[j])
+  stacked = [j for j, (kind, _) in enumerate(kinds) if kind == "stacked"]
+  chain.stacked_per_call = [[inputs0[j]] + chain.stacked_per_call[j] for j in stacked]
+  if any(_aval(a) != _aval(o) for a, o in zip(chain.carried, chain.carried_out)):
+    chain.segments = chain.segments[:1]
+  return chain
+
+
+def _defined_before(var, start, defined_at):
+  return defined_at.get(var, -1) < start
+
+
+def _external_inputs(eqns, seg):
+  """The variables a segment reads but does not define, in first-read order, and the identity
+  map of the variables it defines."""
+  defined, inputs, seen = {}, [], set()
+  for k in seg:
+    for a in eqns[k].invars:
+      if not jax_private.is_literal(a) and a not in defined and a not in seen:
+        seen.add(a)
+        inputs.append(a)
+    for v in eqns[k].outvars:
+      defined[v] = v
+  return inputs, defined
+
+
+def _match(eqns, base, seg):
+  """`(map of base's variables to seg's, seg's external inputs in base's order)` when `seg`
+  computes what `base` does on other inputs, else None."""
+  if len(seg) != len(base):
+    return None
+  mapping: dict = {}
+  outside: dict = {}
+  inputs: list = []
+  for k0, k in zip(base, seg):
+    e0, e = eqns[k0], eqns[k]
+    if (e0.primitive is not e.primitive or len(e0.invars) != len(e.invars)
+        or len(e0.outvars) != len(e.outvars) or e.effects or not _same_params(e0.params, e.params)):
+      return None
+    for a0, a in zip(e0.invars, e.invars):
+      if jax_private.is_literal(a0) or jax_private.is_literal(a):
+        if not (jax_private.is_literal(a0) and jax_private.is_literal(a) and _same_literal(a0, a)):
+          return None
+      elif a0 in mapping:
+        if mapping[a0] is not a:
+          return None
+      elif a0 in outside:
+        if outside[a0] is not a:
+          return None
+      else:
+        if _aval(a0) != _aval(a):
+          return None
+        outside[a0] = a
+        inputs.append(a)
+    for v0, v in zip(e0.outvars, e.outvars):
+      mapping[v0] = v
+  if len(set(map(id, inputs))) != len(inputs):  # two inputs of base read one variable here
+    return None
+  return mapping, inputs
+
+
+def _aval(var):
+  aval = var.aval
+  return (tuple(aval.shape), str(aval.dtype), getattr(aval, "weak_type", False))
+
+
+def _same_literal(a, b):
+  return _aval(a) == _aval(b) and np.array_equal(np.asarray(a.val), np.asarray(b.val))
+
+
+def _same_params(p0, p1):
+  if p0.keys() != p1.keys():
+    return False
+  return all(_same_value(p0[k], p1[k]) for k in p0)
+
+
+def _same_value(a, b):
+  """Equal equation parameters: by value, jaxprs by their text and constants, functions by
+  their code and what they close over."""
+  if a is b:
+    return True
+  if type(a) is not type(b):
+    return False
+  if isinstance(a, (tuple, list)):
+    return len(a) == len(b) and all(map(_same_value, a, b))
+  if jax_private.is_jaxpr(a):
+    consts_a, consts_b = jax_private.jaxpr_consts(a), jax_private.jaxpr_consts(b)
+    return (str(a) == str(b) and len(consts_a) == len(consts_b)
+            and all(_same_array(x, y) for x, y in zip(consts_a, consts_b)))
+  code_a, code_b = jax_private.function_code(a), jax_private.function_code(b)
+  if code_a is not None or code_b is not None:
+    return code_a is not None and code_a == code_b
+  try:
+    return bool(a == b)
+  except Exception:  # an array or an object without a truth value for ==
+    return _same_array(a, b)
+
+
+def _same_array(x, y):
+  if x is y:
+    return True
+  try:
+    return (np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype
+            and bool(np.array_equal(np.asarray(x), np.asarray(y))))
+  except Exception:  # a traced value: only the same one is known to be equal
+    return False
+
+
+def _set_outputs(jaxpr, chain):
+  """Call 0's variables whose value in some call is read outside the chain."""
+  inside = {k for seg in chain.segments for k in seg}
+  read_outside = set(v for v in jaxpr.outvars if not jax_private.is_literal(v))
+  for index, eqn in enumerate(jaxpr.eqns):
+    if index not in inside:
+      read_outside.update(a for a in eqn.invars if not jax_private.is_literal(a))
+  last = len(chain.segments) - 1
+  outputs = []
+  for v0 in chain.maps[0]:
+    read = [i for i, m in enumerate(chain.maps) if m[v0] in read_outside]
+    if read and not (read == [last] and v0 in chain.carried_out):
+      outputs.append(v0)
+  chain.outputs = outputs
+
+
+def evaluate(closed: Any, chains: list, args: list) -> list:
+  """What the closed jaxpr computes on `args`, with each chain run as one `jax.lax.scan`.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> def three(h, ws):
+    ...   for i, w in enumerate(ws):
+    ...     with jax.named_scope(f"{MARK}{i}"):
+    ...       h = jax.numpy.tanh(h @ w)
+    ...   return h.sum()
+    >>> ws = [jax.numpy.eye(2) * i for i in range(3)]
+    >>> closed = jax.make_jaxpr(three)(jax.numpy.ones((2, 2)), ws)
+    >>> chains = find(closed.jaxpr)
+    >>> out = evaluate(closed, chains, [jax.numpy.ones((2, 2)), *ws])
+    >>> bool(jax.numpy.allclose(out[0], three(jax.numpy.ones((2, 2)), ws)))
+    True
+  """
+  jaxpr = closed.jaxpr
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  readers = _readers(jaxpr)
+  done: set = set()
+  position = 0
+  for chain in chains:
+    _run_equations(jaxpr, range(position, chain.start), done, env, readers)
+    _run_chain(jaxpr, chain, env)
+    done.update(k for seg in chain.segments for k in seg)
+    position = chain.start
+  _run_equations(jaxpr, range(position, len(jaxpr.eqns)), done, env, readers)
+  return [a.val if jax_private.is_literal(a) else env[a] for a in jaxpr.outvars]
+
+
+def _readers(jaxpr):
+  readers: dict = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for a in eqn.invars:
+      if not jax_private.is_literal(a):
+        readers.setdefault(a, set()).add(index)
+  for a in jaxpr.outvars:
+    if not jax_private.is_literal(a):
+      readers.setdefault(a, set()).add(len(jaxpr.eqns))
+  return readers
+
+
+def _run_equations(jaxpr, indices, done, env, readers):
+  """Runs the equations at `indices` not in `done` as one function; adds them to `done`."""
+  todo = [k for k in indices if k not in done]
+  if not todo:
+    return
+  here = set(todo)
+  eqns = [jaxpr.eqns[k] for k in todo]
+  defined = {v for e in eqns for v in e.outvars}
+  invars = list(dict.fromkeys(a for e in eqns for a in e.invars
+                              if not jax_private.is_literal(a) and a not in defined))
+  outvars = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars)
+             if readers.get(v, set()) - here]
+  values = jax_private.equations_function(invars, outvars, eqns)(*[env[a] for a in invars])
+  env.update(zip(outvars, values))
+  done.update(todo)
+
+
+def _run_chain(jaxpr, chain, env):
+  jax = runtime.jax_module()
+  base = [jaxpr.eqns[k] for k in chain.segments[0]]
+  stacked0 = [per_call[0] for per_call in chain.stacked_per_call]
+  body_fn = jax_private.equations_function(
+      [*chain.carried, *stacked0, *chain.shared], [*chain.carried_out, *chain.outputs], base)
+  shared = [env[a] for a in chain.shared]
+  n_carried = len(chain.carried)
+
+  def body(carry, xs):
+    out = body_fn(*carry, *xs, *shared)
+    return list(out[:n_carried]), list(out[n_carried:])
+
+  xs = [jax.numpy.stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
+  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs)
+  last = chain.maps[-1]
+  for v0, value in zip(chain.carried_out, carry):
+    env[last[v0]] = value
+  for v0, stacked in zip(chain.outputs, ys):
+    for i, m in enumerate(chain.maps):
+      env[m[v0]] = stacked[i]
+
+
+def traced(fn: Callable, args: list) -> tuple:
+  """`(closed jaxpr, rebuild)`: `fn(*args)` traced, its array leaves the jaxpr's outputs, and
+  `rebuild(values)` its output with those leaves replaced by `values` (other leaves, such as
+  Python values describing the output, kept from the trace)."""
+  jax = runtime.jax_module()
+  box: dict = {}
+
+  def arrays_only(*a):
+    leaves, tree = jax.tree.flatten(fn(*a))
+    arrays = [isinstance(x, jax.Array) for x in leaves]
+    box.update(tree=tree, arrays=arrays,  # the traced values not kept: JAX checks for leaks
+               leaves=[None if is_array else x for x, is_array in zip(leaves, arrays)])
+    return [x for x, is_array in zip(leaves, arrays) if is_array]
+
+  closed = jax.make_jaxpr(arrays_only)(*args)
+
+  def rebuild(values):
+    it = iter(values)
+    leaves = [next(it) if is_array else x for x, is_array in zip(box["leaves"], box["arrays"])]
+    return jax.tree.unflatten(box["tree"], leaves)
+
+  return closed, rebuild
+
+
+def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module],
+            min_calls: int = 2) -> Optional[Callable]:
+  """`fn` (JAX code that runs the torch code of the modules `roots`) traced once with their
+  layers marked, as a function of `args`'s shapes whose chains of layer calls run as loops; None
+  when no chain was found (then call `fn` itself)."""
+  with marking(roots) as count:
+    if not count:
+      return None
+    closed, rebuild = traced(fn, args)
+  chains = find(closed.jaxpr, min_calls)
+  if not chains:
+    return lambda *a: rebuild(evaluate(closed, [], list(a)))
+  return lambda *a: rebuild(evaluate(closed, chains, list(a)))

@@ -7,8 +7,9 @@ Modes, each (mode, depth) in its own process, alternated over rounds:
 - `plain`: LazyTensor, `loss.backward()`, `torch.optim.AdamW`;
 - `by class`: `jb.bridge_modules(model, ["LlamaDecoderLayer"])`, then as `plain`;
 - `by class + jb AdamW`: the same with `jb.optim.AdamW` (the optimizer step as one node);
-- `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`,
-  its layers run as one loop;
+- `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`
+  (its layers run as one loop from `LOOP_FROM` = 8 layers on);
+- `train_step looped`: the same with `layer_loop=2` (a loop at every depth);
 - `train_step unrolled`: the same with `layer_loop=False` (one copy of each layer in the program).
 
 Per run: `step 1` (wall time of the first step, trace and compile included, waiting for the
@@ -28,7 +29,8 @@ import time
 
 from harness import rounds, run_child, spread, table, write_json
 
-MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step unrolled"]
+MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step looped",
+         "train_step unrolled"]
 
 
 def child(mode, layers, steps):
@@ -51,7 +53,8 @@ def child(mode, layers, steps):
   if mode.startswith("train_step"):
     step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
                          jb.optim.AdamW(model.parameters(), lr=1e-3),
-                         layer_loop=not mode.endswith("unrolled"))
+                         layer_loop={"train_step": True, "train_step looped": 2,
+                                     "train_step unrolled": False}[mode])
     run = lambda: step(model, ids)  # noqa: E731
   else:
     optimizer = (jb.optim.AdamW if mode.endswith("jb AdamW") else torch.optim.AdamW)(

@@ -7,8 +7,8 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge._compat import (jax_lowering_private, jax_private, torch_private,
-                                         torch_xla_private, torchax_private)
+from torch_xla_jaxbridge._compat import (jax_lowering_private, jax_private, jaxpr_private,
+                                         torch_private, torch_xla_private, torchax_private)
 from torch_xla_jaxbridge._training.memory import compiled_memory
 from torch_xla_jaxbridge._core import tracing
 
@@ -338,8 +338,8 @@ def test_an_identity_primitive_is_linear_batches_and_lowers_as_told():
 def test_a_jaxprs_function_takes_other_constants():
   w = jax.numpy.float32(2.0)
   closed = jax.make_jaxpr(lambda x: x * w + 1.0)(1.0)
-  assert jax_private.jaxpr_function(closed.jaxpr, closed.consts)(3.0)[0] == 7.0
-  assert jax_private.jaxpr_function(closed.jaxpr, [jax.numpy.float32(5.0)])(3.0)[0] == 16.0
+  assert jaxpr_private.jaxpr_function(closed.jaxpr, closed.consts)(3.0)[0] == 7.0
+  assert jaxpr_private.jaxpr_function(closed.jaxpr, [jax.numpy.float32(5.0)])(3.0)[0] == 16.0
 
 
 _COMPAT_LIB = torch.library.Library("jbcompat", "DEF")
@@ -460,14 +460,14 @@ def test_jaxpr_readers_for_layer_chains():
 
   closed = jax.make_jaxpr(f)(1.0)
   mul, sin, add = closed.jaxpr.eqns
-  assert jax_private.outer_scope(mul, "outer_") == "outer_1"
-  assert jax_private.outer_scope(sin, "outer_") is None
-  assert jax_private.is_literal(mul.invars[1]) and not jax_private.is_literal(mul.invars[0])
-  assert jax_private.is_jaxpr(closed) and jax_private.jaxpr_consts(closed) == []
-  assert not jax_private.is_jaxpr(3)
+  assert jaxpr_private.outer_scope(mul, "outer_") == "outer_1"
+  assert jaxpr_private.outer_scope(sin, "outer_") is None
+  assert jaxpr_private.is_literal(mul.invars[1]) and not jaxpr_private.is_literal(mul.invars[0])
+  assert jaxpr_private.is_jaxpr(closed) and jaxpr_private.jaxpr_consts(closed) == []
+  assert not jaxpr_private.is_jaxpr(3)
   custom = jax.make_jaxpr(jax.nn.relu)(1.0).jaxpr.eqns[0]  # a custom_jvp_call with a function
   again = jax.make_jaxpr(jax.nn.relu)(2.0).jaxpr.eqns[0]
-  assert jax_private.function_code(custom.params["jvp_jaxpr_fun"]) == jax_private.function_code(
+  assert jaxpr_private.function_code(custom.params["jvp_jaxpr_fun"]) == jaxpr_private.function_code(
       again.params["jvp_jaxpr_fun"])
-  first_two = jax_private.equations_function(closed.jaxpr.invars, sin.outvars, [mul, sin])
+  first_two = jaxpr_private.equations_function(closed.jaxpr.invars, sin.outvars, [mul, sin])
   assert float(first_two(0.25)[0]) == pytest.approx(float(jax.numpy.sin(0.5)))

@@ -1,4 +1,4 @@
-"""Layers called one after another run as one loop (`_core.layer_chains`), and `jb.train_step`
+"""Layers called one after another run as one loop (`_core.layer_chains`, `_core.layer_loops`), and `jb.train_step`
 over an unmodified Hugging Face decoder compiles one layer body whatever its depth."""
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,9 @@ import transformers
 
 import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge._compat import torch_xla_private
-from torch_xla_jaxbridge._core import layer_chains
+from torch_xla_jaxbridge._core import layer_chains, layer_loops
 
+import heldout
 import zoo
 
 
@@ -24,7 +25,7 @@ def _values_and_grads(fn, args):
   and the chains found."""
   closed = jax.make_jaxpr(fn)(*args)
   chains = layer_chains.find(closed.jaxpr)
-  looped = lambda *a: layer_chains.evaluate(closed, chains, list(a))[0]  # noqa: E731
+  looped = lambda *a: layer_loops.evaluate(closed, chains, list(a))[0]  # noqa: E731
   argnums = tuple(range(len(args)))
   return (jax.value_and_grad(fn, argnums)(*args), jax.value_and_grad(looped, argnums)(*args),
           chains)
@@ -62,7 +63,7 @@ def test_the_looped_program_holds_one_layer_body():
 
   closed = jax.make_jaxpr(f)(H, *WS)
   chains = layer_chains.find(closed.jaxpr)
-  looped = jax.make_jaxpr(lambda *a: layer_chains.evaluate(closed, chains, list(a)))(H, *WS)
+  looped = jax.make_jaxpr(lambda *a: layer_loops.evaluate(closed, chains, list(a)))(H, *WS)
   primitives = [str(e.primitive) for e in looped.jaxpr.eqns]
   assert primitives.count("scan") == 1 and "sin" not in primitives
   assert [str(e.primitive) for e in closed.jaxpr.eqns].count("sin") == 4
@@ -125,7 +126,7 @@ def test_layers_that_do_not_read_each_other_loop_too():
 def test_marking_marks_repeated_layers_only_and_restores_their_classes():
   model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList(
       [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU()]))
-  with layer_chains.marking([model]) as count:
+  with layer_loops.marking([model]) as count:
     inside = [type(m).__name__ == "Linear" and type(m) is not torch.nn.Linear
               for m in model.modules()]
   assert count == 2 and sum(inside) == 2  # the list's two Linears; not the Sequential's one
@@ -141,6 +142,12 @@ def _llama(layers, seed=0):
   return transformers.LlamaForCausalLM(config)
 
 
+@pytest.fixture
+def loop_from_two(monkeypatch):
+  from torch_xla_jaxbridge._training import train_step
+  monkeypatch.setattr(train_step, "LOOP_FROM", 2)
+
+
 def _step_hlo(layers, layer_loop):
   model = _llama(layers).to("xla")
   step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
@@ -153,15 +160,19 @@ def _step_hlo(layers, layer_loop):
 
 
 def test_an_unmodified_hugging_face_decoder_compiles_one_layer_body_whatever_its_depth():
-  looped = {n: _step_hlo(n, True) for n in (2, 5)}
-  unrolled = {n: _step_hlo(n, False) for n in (2, 5)}
-  assert looped[2].count(" dot(") == looped[5].count(" dot(")
-  assert " while(" in looped[5]
-  assert unrolled[5].count(" dot(") > unrolled[2].count(" dot(")
+  looped = {n: _step_hlo(n, True) for n in (8, 12)}
+  unrolled = {n: _step_hlo(n, False) for n in (8, 12)}
+  assert looped[8].count(" dot(") == looped[12].count(" dot(")
+  assert " while(" in looped[12]
+  assert unrolled[12].count(" dot(") > unrolled[8].count(" dot(")
+
+
+def test_fewer_layers_than_loop_from_stay_unrolled():
+  assert " while(" not in _step_hlo(3, True)
 
 
 @pytest.mark.parametrize("layer_loop", [True, False])
-def test_hugging_face_llama_trains_as_eager_with_its_layers_looped(layer_loop):
+def test_hugging_face_llama_trains_as_eager_with_its_layers_looped(layer_loop, loop_from_two):
   model = _llama(3)
   moved = _llama(3).to("xla")
   ids = torch.randint(0, 128, (2, 16))
@@ -174,3 +185,63 @@ def test_hugging_face_llama_trains_as_eager_with_its_layers_looped(layer_loop):
   np.testing.assert_allclose(norms, eager_norms, rtol=1e-4)
   for p, q in zip(model.parameters(), moved.parameters()):
     np.testing.assert_allclose(q.cpu().detach().numpy(), p.detach().numpy(), atol=2e-5)
+
+
+@pytest.fixture
+def chain_lengths(monkeypatch, loop_from_two):
+  """The lengths of the chains each trace found (with loops from two layer calls)."""
+  found = []
+  real = layer_chains.find
+
+  def recording(jaxpr, min_calls=2):
+    chains = real(jaxpr, min_calls)
+    found.append([len(c.segments) for c in chains])
+    return chains
+
+  monkeypatch.setattr(layer_chains, "find", recording)
+  return found
+
+
+# models nobody here wrote, 2 layers each (encoders, decoders, seq2seq, mixture of experts);
+# a few in `make test`, the rest under `make slow`
+@pytest.mark.parametrize("name, looped", [
+    ("qwen3", [2]), ("t5", []), ("qwen2_moe", [2]),
+    *[pytest.param(name, looped, marks=pytest.mark.slow) for name, looped in [
+        ("roberta", [2]), ("gpt_neox", [2]), ("bloom", [2]), ("falcon", [2]),
+        ("distilbert", [2]), ("electra", [2]), ("gemma", [2]), ("mistral", [2]),
+        ("deepseek_v3", []), ("olmoe", [2]), ("gptj", [2])]]])
+def test_models_train_as_eager_with_their_layers_looped(name, looped, chain_lengths):
+  eager, losses, eager_norms, norms = heldout.train_steps(name)
+  assert losses == pytest.approx(eager, rel=1e-5)
+  assert norms == pytest.approx(eager_norms, rel=1e-4)
+  assert chain_lengths == [looped]
+  row = next(r for r in reversed(jb.bridge_report().rows) if r.kind == "step")
+  assert row.status == "bridged"
+
+
+def test_dropout_per_layer_gives_the_values_of_the_unrolled_step(loop_from_two):
+  """Each layer draws its dropout mask from the key the one before it split: the loop carries
+  the key, and the masks are the unrolled step's."""
+  losses = {}
+  for layer_loop in (True, False):
+    torch.manual_seed(0)
+    torch_xla.manual_seed(0)  # the step's random key comes from torch_xla's generator
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+        attention_dropout=0.3)
+    model = transformers.LlamaForCausalLM(config).to("xla")
+    step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
+                         jb.optim.AdamW(model.parameters(), lr=1e-3), layer_loop=layer_loop)
+    ids = torch.randint(0, 128, (2, 16)).to("xla")
+    losses[layer_loop] = [step(model, ids).item() for _ in range(2)]
+    assert bool(step.looped) == layer_loop
+  assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "yes"])
+def test_a_bad_layer_loop_says_what_it_takes(bad):
+  model = torch.nn.Linear(2, 1).to("xla")
+  with pytest.raises(jb.errors.BadArgumentError, match="layer_loop=.*give True"):
+    jb.train_step(lambda x: model(x).sum(), jb.optim.SGD(model.parameters(), lr=0.1),
+                  layer_loop=bad)

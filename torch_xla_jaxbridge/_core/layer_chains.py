@@ -1,75 +1,22 @@
-"""Layers called one after another, found in a traced program and run as one loop.
+"""Layers called one after another, found in a traced program.
 
 A model's loop over identical layers (`for layer in self.layers: h = layer(h, ...)`) traces into
-one copy of the layer's equations per layer: the compiled program, and its compile time, grow
-with depth. While torch code is traced, each call of a layer of a `ModuleList` runs in a JAX name
-scope of its own (`marking`); `find` then reads the traced program's equations by scope and finds
-runs of consecutive calls whose equations are the same program (same primitives, parameters and
+one copy of the layer's equations per layer. When each call ran in a JAX name scope of its own
+(`layer_loops.marking`), `find` reads the program's equations by scope and finds runs of
+consecutive calls whose equations are the same program (same primitives, parameters and
 constants; each layer's own parameters are inputs), each call reading the previous one's output.
-`evaluate` runs the program with each such run as one `jax.lax.scan` over the layers' inputs
-stacked, so differentiating it gives one loop for the backward too. Layers are judged by the
-program they trace into, not by their attributes: Hugging Face's `layer_idx` differs between
-layers and changes nothing in training.
+Layers are judged by the program they trace into, not by their attributes: Hugging Face's
+`layer_idx` differs between layers and changes nothing in training.
 """
-import contextlib
 import dataclasses
-import itertools
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any
 
 import numpy as np
-import torch
 
-from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._compat import jaxpr_private
 from torch_xla_jaxbridge._core import runtime
 
-MARK = "jb_layer_call_"
-_MARKED_CLASSES: dict = {}  # a layer class -> its subclass whose calls run in a scope
-_CALLS = itertools.count()
-
-
-@contextlib.contextmanager
-def marking(roots: Iterable[torch.nn.Module]) -> Iterator[int]:
-  """Inside the block, each call of a module held in a `ModuleList` or `Sequential` beside
-  another module of its class (the layers of a model) runs in a JAX name scope of its own, which
-  `find` reads. Each such module is given, for the block, a subclass of its class whose
-  `__call__` opens the scope; yields how many modules were marked.
-
-  Example:
-    >>> layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
-    >>> with marking([layers]) as count:
-    ...   marked = type(layers[0]) is not torch.nn.Linear
-    >>> count, marked, type(layers[0]) is torch.nn.Linear
-    (2, True, True)
-  """
-  swapped, seen = [], set()
-  try:
-    for root in roots:
-      for container in root.modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-          continue
-        children = list(container)
-        classes = [type(c) for c in children]
-        for child in children:
-          if id(child) not in seen and classes.count(type(child)) > 1:
-            seen.add(id(child))
-            swapped.append((child, type(child)))
-            child.__class__ = _marked_class(type(child))
-    yield len(swapped)
-  finally:
-    for child, cls in reversed(swapped):
-      child.__class__ = cls
-
-
-def _marked_class(cls):
-  found = _MARKED_CLASSES.get(cls)
-  if found is None:
-    def __call__(self, *args, **kwargs):
-      with runtime.jax_module().named_scope(f"{MARK}{next(_CALLS)}"):
-        return cls.__call__(self, *args, **kwargs)
-
-    found = _MARKED_CLASSES[cls] = type(cls.__name__, (cls,), {
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__call__": __call__})
-  return found
+MARK = "jb_layer_call_"  # the name scope of a marked layer call starts with it
 
 
 @dataclasses.dataclass
@@ -105,7 +52,7 @@ def find(jaxpr: Any, min_calls: int = 2) -> list:
     ...   return h.sum()
     >>> x = jax.numpy.ones((2, 2))
     >>> chains = find(jax.make_jaxpr(two_layers)(x, x, x).jaxpr)
-    >>> len(chains), len(chains[0].segments), len(chains[0].stacked_per_call[0])
+    >>> len(chains), len(chains[0].segments), len(chains[0].stacked_per_call)
     (1, 2, 1)
   """
   segments = _segments(jaxpr.eqns)
@@ -128,7 +75,7 @@ def _segments(eqns):
   runs: list = []
   last = None
   for index, eqn in enumerate(eqns):
-    call = jax_private.outer_scope(eqn, MARK)
+    call = jaxpr_private.outer_scope(eqn, MARK)
     if call is None:
       last = None
       continue
@@ -200,7 +147,7 @@ def _external_inputs(eqns, seg):
   defined, inputs, seen = {}, [], set()
   for k in seg:
     for a in eqns[k].invars:
-      if not jax_private.is_literal(a) and a not in defined and a not in seen:
+      if not jaxpr_private.is_literal(a) and a not in defined and a not in seen:
         seen.add(a)
         inputs.append(a)
     for v in eqns[k].outvars:
@@ -222,8 +169,8 @@ def _match(eqns, base, seg):
         or len(e0.outvars) != len(e.outvars) or e.effects or not _same_params(e0.params, e.params)):
       return None
     for a0, a in zip(e0.invars, e.invars):
-      if jax_private.is_literal(a0) or jax_private.is_literal(a):
-        if not (jax_private.is_literal(a0) and jax_private.is_literal(a) and _same_literal(a0, a)):
+      if jaxpr_private.is_literal(a0) or jaxpr_private.is_literal(a):
+        if not (jaxpr_private.is_literal(a0) and jaxpr_private.is_literal(a) and _same_literal(a0, a)):
           return None
       elif a0 in mapping:
         if mapping[a0] is not a:
@@ -267,11 +214,11 @@ def _same_value(a, b):
     return False
   if isinstance(a, (tuple, list)):
     return len(a) == len(b) and all(map(_same_value, a, b))
-  if jax_private.is_jaxpr(a):
-    consts_a, consts_b = jax_private.jaxpr_consts(a), jax_private.jaxpr_consts(b)
+  if jaxpr_private.is_jaxpr(a):
+    consts_a, consts_b = jaxpr_private.jaxpr_consts(a), jaxpr_private.jaxpr_consts(b)
     return (str(a) == str(b) and len(consts_a) == len(consts_b)
             and all(_same_array(x, y) for x, y in zip(consts_a, consts_b)))
-  code_a, code_b = jax_private.function_code(a), jax_private.function_code(b)
+  code_a, code_b = jaxpr_private.function_code(a), jaxpr_private.function_code(b)
   if code_a is not None or code_b is not None:
     return code_a is not None and code_a == code_b
   try:
@@ -293,10 +240,10 @@ def _same_array(x, y):
 def _set_outputs(jaxpr, chain):
   """Call 0's variables whose value in some call is read outside the chain."""
   inside = {k for seg in chain.segments for k in seg}
-  read_outside = set(v for v in jaxpr.outvars if not jax_private.is_literal(v))
+  read_outside = set(v for v in jaxpr.outvars if not jaxpr_private.is_literal(v))
   for index, eqn in enumerate(jaxpr.eqns):
     if index not in inside:
-      read_outside.update(a for a in eqn.invars if not jax_private.is_literal(a))
+      read_outside.update(a for a in eqn.invars if not jaxpr_private.is_literal(a))
   last = len(chain.segments) - 1
   outputs = []
   for v0 in chain.maps[0]:
@@ -304,126 +251,3 @@ def _set_outputs(jaxpr, chain):
     if read and not (read == [last] and v0 in chain.carried_out):
       outputs.append(v0)
   chain.outputs = outputs
-
-
-def evaluate(closed: Any, chains: list, args: list) -> list:
-  """What the closed jaxpr computes on `args`, with each chain run as one `jax.lax.scan`.
-
-  Example:
-    >>> jax = runtime.jax_module()
-    >>> def three(h, ws):
-    ...   for i, w in enumerate(ws):
-    ...     with jax.named_scope(f"{MARK}{i}"):
-    ...       h = jax.numpy.tanh(h @ w)
-    ...   return h.sum()
-    >>> ws = [jax.numpy.eye(2) * i for i in range(3)]
-    >>> closed = jax.make_jaxpr(three)(jax.numpy.ones((2, 2)), ws)
-    >>> chains = find(closed.jaxpr)
-    >>> out = evaluate(closed, chains, [jax.numpy.ones((2, 2)), *ws])
-    >>> bool(jax.numpy.allclose(out[0], three(jax.numpy.ones((2, 2)), ws)))
-    True
-  """
-  jaxpr = closed.jaxpr
-  env = dict(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, args))
-  readers = _readers(jaxpr)
-  done: set = set()
-  position = 0
-  for chain in chains:
-    _run_equations(jaxpr, range(position, chain.start), done, env, readers)
-    _run_chain(jaxpr, chain, env)
-    done.update(k for seg in chain.segments for k in seg)
-    position = chain.start
-  _run_equations(jaxpr, range(position, len(jaxpr.eqns)), done, env, readers)
-  return [a.val if jax_private.is_literal(a) else env[a] for a in jaxpr.outvars]
-
-
-def _readers(jaxpr):
-  readers: dict = {}
-  for index, eqn in enumerate(jaxpr.eqns):
-    for a in eqn.invars:
-      if not jax_private.is_literal(a):
-        readers.setdefault(a, set()).add(index)
-  for a in jaxpr.outvars:
-    if not jax_private.is_literal(a):
-      readers.setdefault(a, set()).add(len(jaxpr.eqns))
-  return readers
-
-
-def _run_equations(jaxpr, indices, done, env, readers):
-  """Runs the equations at `indices` not in `done` as one function; adds them to `done`."""
-  todo = [k for k in indices if k not in done]
-  if not todo:
-    return
-  here = set(todo)
-  eqns = [jaxpr.eqns[k] for k in todo]
-  defined = {v for e in eqns for v in e.outvars}
-  invars = list(dict.fromkeys(a for e in eqns for a in e.invars
-                              if not jax_private.is_literal(a) and a not in defined))
-  outvars = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars)
-             if readers.get(v, set()) - here]
-  values = jax_private.equations_function(invars, outvars, eqns)(*[env[a] for a in invars])
-  env.update(zip(outvars, values))
-  done.update(todo)
-
-
-def _run_chain(jaxpr, chain, env):
-  jax = runtime.jax_module()
-  base = [jaxpr.eqns[k] for k in chain.segments[0]]
-  stacked0 = [per_call[0] for per_call in chain.stacked_per_call]
-  body_fn = jax_private.equations_function(
-      [*chain.carried, *stacked0, *chain.shared], [*chain.carried_out, *chain.outputs], base)
-  shared = [env[a] for a in chain.shared]
-  n_carried = len(chain.carried)
-
-  def body(carry, xs):
-    out = body_fn(*carry, *xs, *shared)
-    return list(out[:n_carried]), list(out[n_carried:])
-
-  xs = [jax.numpy.stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
-  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs)
-  last = chain.maps[-1]
-  for v0, value in zip(chain.carried_out, carry):
-    env[last[v0]] = value
-  for v0, stacked in zip(chain.outputs, ys):
-    for i, m in enumerate(chain.maps):
-      env[m[v0]] = stacked[i]
-
-
-def traced(fn: Callable, args: list) -> tuple:
-  """`(closed jaxpr, rebuild)`: `fn(*args)` traced, its array leaves the jaxpr's outputs, and
-  `rebuild(values)` its output with those leaves replaced by `values` (other leaves, such as
-  Python values describing the output, kept from the trace)."""
-  jax = runtime.jax_module()
-  box: dict = {}
-
-  def arrays_only(*a):
-    leaves, tree = jax.tree.flatten(fn(*a))
-    arrays = [isinstance(x, jax.Array) for x in leaves]
-    box.update(tree=tree, arrays=arrays,  # the traced values not kept: JAX checks for leaks
-               leaves=[None if is_array else x for x, is_array in zip(leaves, arrays)])
-    return [x for x, is_array in zip(leaves, arrays) if is_array]
-
-  closed = jax.make_jaxpr(arrays_only)(*args)
-
-  def rebuild(values):
-    it = iter(values)
-    leaves = [next(it) if is_array else x for x, is_array in zip(box["leaves"], box["arrays"])]
-    return jax.tree.unflatten(box["tree"], leaves)
-
-  return closed, rebuild
-
-
-def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module],
-            min_calls: int = 2) -> Optional[Callable]:
-  """`fn` (JAX code that runs the torch code of the modules `roots`) traced once with their
-  layers marked, as a function of `args`'s shapes whose chains of layer calls run as loops; None
-  when no chain was found (then call `fn` itself)."""
-  with marking(roots) as count:
-    if not count:
-      return None
-    closed, rebuild = traced(fn, args)
-  chains = find(closed.jaxpr, min_calls)
-  if not chains:
-    return lambda *a: rebuild(evaluate(closed, [], list(a)))
-  return lambda *a: rebuild(evaluate(closed, chains, list(a)))

@@ -9,7 +9,7 @@ checkpoint inside bridged code all put their backward there.
 import contextlib
 from typing import Any, Callable, Iterator
 
-from torch_xla_jaxbridge._compat import jax_private
+from torch_xla_jaxbridge._compat import jaxpr_private
 from torch_xla_jaxbridge._core import runtime, threads
 
 _DIFFERENTIATED = threads.Switch()  # on: the function being traced is under jax.vjp / grad
@@ -99,7 +99,7 @@ def sequenced_call(fn: Callable, *arrays: Any) -> Any:
 
   def evaluate(*values):
     inputs, consts = values[:count], list(values[count:])
-    return jax.tree.unflatten(tree, jax_private.jaxpr_function(closed.jaxpr, consts)(
+    return jax.tree.unflatten(tree, jaxpr_private.jaxpr_function(closed.jaxpr, consts)(
         *jax.tree.leaves(inputs)))
 
   return sequenced(evaluate)(*arrays, *closed.consts)

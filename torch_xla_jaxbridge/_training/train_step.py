@@ -6,7 +6,7 @@ JAX function, so a step adds one `call_jax` node to the LazyTensor graph instead
 backward and an optimizer node (and the autograd engine's work between them): the least host
 time per step.
 """
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 
@@ -14,25 +14,27 @@ from torch_xla_jaxbridge import errors, optim
 from torch_xla_jaxbridge._bridge import auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._core import call, layer_chains, recompute, runtime, sharding
+from torch_xla_jaxbridge._core import call, layer_loops, recompute, runtime, sharding
+
+# Layer calls run as one loop from this many in a row (`layer_loop`): on XLA:CPU a loop compiles
+# slower than 4 unrolled Llama layers and faster than 16 (scripts/bench_depth.py).
+LOOP_FROM = 8
 
 
 class TrainStep:
   """A training step made by `train_step`: call it with the loss function's arguments."""
 
   def __init__(self, loss_fn: Callable, optimizer: optim.RuleOptimizer,
-               remat: remat_policies.RematArg, fallback: bool, layer_loop: bool = True):
+               remat: remat_policies.RematArg, fallback: bool, layer_loop: Union[bool, int]):
     if not isinstance(optimizer, optim.RuleOptimizer):
       raise errors.UsageError(
           f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs the "
           f"update rule of a jb.optim optimizer ({', '.join(optim.optimizers())}). Use one of "
           f"those, or call loss.backward() and optimizer.step() for other optimizers.")
     self.bridged = bridging.Bridged(loss_fn, remat=remat)
-    self.optimizer = optimizer
-    self.name = self.bridged.name
-    self.fallback = fallback
-    self.layer_loop = layer_loop
-    self._roots = None  # while a step runs: the modules the loss reads (their layers may loop)
+    self.optimizer, self.name, self.fallback = optimizer, self.bridged.name, fallback
+    self.layer_loop, self._roots = layer_loop, None  # _roots: in a step, the loss's modules
+    self.looped: tuple = ()  # the length of each run of layer calls the last trace looped
     self._groups_key = self._diff_ids = None  # what `_trained` and `_order` were made for
     self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
                                      lambda: self.bridged.traces)
@@ -75,13 +77,7 @@ class TrainStep:
           f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "
           f"instead, or call the model and loss.backward() with optimizer.step().")
     if not (diff := prepared.diff):
-      raise errors.UsageError(
-          f"train_step: none of the tensors {self.name} reads (its arguments, and what it "
-          f"captures: {_captured(prepared.args)}) is a parameter of the optimizer."
-          f"{captures.hint(bridged.fn)} Pass the model as an argument (`jb.train_step(lambda "
-          f"model, batch: model(**batch).loss, opt)`, called as `step(model, batch)`), or read it "
-          f"into a variable the loss function closes over (`model = trainer.model`, then "
-          f"`lambda batch: model(**batch).loss`).")
+      raise _nothing_trained(self.name, bridged.fn, prepared.args)
     params, positions = self._order(diff)
     states, scalars, statics = optimizer.prepare(params)
     statics = dict(statics, positions=positions)
@@ -142,8 +138,8 @@ class TrainStep:
       return floats[0], aux
 
     with recompute.differentiated():
-      if self.layer_loop and self._roots is not None:
-        loss_of = layer_chains.scanned(loss_of, list(diff), self._roots()) or loss_of
+      if self.layer_loop and self._roots is not None and not sharding.spmd_enabled():
+        loss_of = _looped(self, loss_of, diff)
       if self.bridged.policy is not None:
         loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
       (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
@@ -151,6 +147,24 @@ class TrainStep:
     params = [diff[i] for i in positions]
     grads = [grads[i] for i in positions]
     return loss, optim.apply_rule(params, grads, states, scalars, **statics), aux
+
+
+def _looped(step, loss_of, diff):
+  """`loss_of` with its runs of at least `LOOP_FROM` (or `layer_loop`) identical layer calls as
+  loops; sets `step.looped`."""
+  least = LOOP_FROM if step.layer_loop is True else step.layer_loop
+  found = layer_loops.scanned(loss_of, list(diff), step._roots(), least)
+  step.looped = tuple(len(c.segments) for c in found[1]) if found else ()
+  return found[0] if found else loss_of
+
+
+def _nothing_trained(name, fn, args):
+  return errors.UsageError(
+      f"train_step: none of the tensors {name} reads (its arguments, and what it captures: "
+      f"{_captured(args)}) is a parameter of the optimizer.{captures.hint(fn)} Pass the model as "
+      f"an argument (`jb.train_step(lambda model, batch: model(**batch).loss, opt)`, called as "
+      f"`step(model, batch)`), or read it into a variable the loss function closes over (`model "
+      f"= trainer.model`, then `lambda batch: model(**batch).loss`).")
 
 
 def _captured(args):
@@ -163,7 +177,7 @@ def _captured(args):
 
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
                remat: remat_policies.RematArg = None, fallback: bool = True,
-               layer_loop: bool = True) -> TrainStep:
+               layer_loop: Union[bool, int] = True) -> TrainStep:
   """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
   optimizer's parameters, and the optimizer's update.
 
@@ -178,7 +192,12 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
   policies. Where the loss cannot be bridged as a whole (data-dependent Python control flow such
   as LayerDrop, an op with no lowering), the step falls back (`fallback=True`): the loss runs as
   plain LazyTensor code with the modules it reads bridged one by one, its gradients by autograd,
-  and the same optimizer update; said once and listed in `jb.bridge_report()`.
+  and the same optimizer update; said once and listed in `jb.bridge_report()`. A model's own loop
+  over `LOOP_FROM` or more layers of one class (a `ModuleList`) whose calls trace into the same
+  program runs as one loop in the step's program (one layer body, whatever the depth; the
+  lengths of the loops in `step.looped`); `layer_loop=n` loops runs of `n` or more calls,
+  `layer_loop=False` keeps every layer's copy (on XLA:CPU a loop compiles faster at depth and
+  steps slower: docs/scan.md). Under SPMD the layers are not looped yet.
 
   Example:
     >>> import torch, torch_xla, torch_xla_jaxbridge as jb
@@ -191,4 +210,8 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
     >>> losses[-1].item() < losses[0].item()
     True
   """
+  if not isinstance(layer_loop, int) or layer_loop < 0:
+    raise errors.BadArgumentError(
+        f"train_step: layer_loop={layer_loop!r}; give True (loop runs of {LOOP_FROM} or more "
+        f"identical layer calls), False (no loops) or the least run length to loop, an int.")
   return TrainStep(loss_fn, optimizer, remat, fallback, layer_loop)

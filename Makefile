@@ -20,12 +20,12 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torchax, torch_xla, jax; print('stack:', 'torchax', torchax.__version__, 'jax', jax.__version__)"
 	touch $@
 
-# mypy, the test suite and every docstring example of the package, as eight processes run two at
+# mypy, the test suite and every docstring example of the package, as ten processes run two at
 # a time (one per core): XLA:CPU keeps compiled programs mapped, and one process compiling the
 # whole suite ran past the kernel's memory-map limit (vm.max_map_count 65530: "LLVM compilation
 # error: Cannot allocate memory", then a crash). Each group prints its output when it ends, and
 # every group runs (-k) so that one run shows every failure.
-TEST_GROUPS := a-b c-e f-h i-o p-r s t-z
+TEST_GROUPS := a-b c-e f-h i-k l-o p-r s t-z
 test: $(STAMP)
 	$(MAKE) --no-print-directory -k -j2 --output-sync=target typecheck doctests \
 		$(addprefix tests-,$(TEST_GROUPS))

@@ -77,3 +77,15 @@ def test_main_prints_the_error_and_exits_2_before_building(capsys, monkeypatch):
   monkeypatch.setattr(train, "prepare", lambda *a: pytest.fail("built a model"))
   assert train.main([f"train.seq={CORPUS + 10}"]) == 2
   assert capsys.readouterr().err.startswith(f"config error: train.seq: {CORPUS + 10} is longer")
+
+
+def test_the_default_configs_comments_name_every_registered_choice():
+  """default.yaml lists the optimizers and remat presets in its comments; the registries are
+  the truth (a new optimizer or preset must be named there too)."""
+  import torch_xla_jaxbridge as jb
+
+  text = (config.CONFIGS / "default.yaml").read_text()
+  optimizer = text[text.index("  optimizer:"):text.index("  optimizer_args:")]
+  policy = text[text.index("  policy:"):text.index("  save:")]
+  assert all(re.search(rf"\b{re.escape(name)}\b", optimizer) for name in jb.optim.optimizers())
+  assert all(re.search(rf"\b{re.escape(name)}\b", policy) for name in jb.remat.presets())

@@ -245,3 +245,28 @@ def test_a_bad_layer_loop_says_what_it_takes(bad):
   with pytest.raises(jb.errors.BadArgumentError, match="layer_loop=.*give True"):
     jb.train_step(lambda x: model(x).sum(), jb.optim.SGD(model.parameters(), lr=0.1),
                   layer_loop=bad)
+
+
+def test_layers_without_parameters_loop():
+  def f(h):
+    for i in range(4):
+      with _layer(i):
+        h = jnp.tanh(h) * 1.5
+    return h.sum()
+
+  expected, got, chains = _values_and_grads(f, [H])
+  _assert_close(expected, got)
+  assert len(chains[0].segments) == 4 and not chains[0].stacked_per_call
+
+
+def test_a_layer_reading_its_own_value_where_the_first_reads_an_outside_one_is_no_match():
+  def f(h, w):
+    for i in range(3):
+      with _layer(i):
+        inner = jnp.tanh(h @ w)
+        h = inner * (h if i == 0 else inner)  # call 0 reads h (outside); calls 1, 2 read inner
+    return h.sum()
+
+  expected, got, chains = _values_and_grads(f, [H, WS[0]])
+  _assert_close(expected, got)
+  assert [len(c.segments) for c in chains] == [2]  # calls 1 and 2

@@ -163,6 +163,7 @@ def _match(eqns, base, seg):
   mapping: dict = {}
   outside: dict = {}
   inputs: list = []
+  here: set = set()  # the variables seg has defined so far
   for k0, k in zip(base, seg):
     e0, e = eqns[k0], eqns[k]
     if (e0.primitive is not e.primitive or len(e0.invars) != len(e.invars)
@@ -178,13 +179,14 @@ def _match(eqns, base, seg):
       elif a0 in outside:
         if outside[a0] is not a:
           return None
-      else:
-        if _aval(a0) != _aval(a):
+      else:  # base reads it from outside: seg must too
+        if a in here or _aval(a0) != _aval(a):
           return None
         outside[a0] = a
         inputs.append(a)
     for v0, v in zip(e0.outvars, e.outvars):
       mapping[v0] = v
+      here.add(v)
   if len(set(map(id, inputs))) != len(inputs):  # two inputs of base read one variable here
     return None
   return mapping, inputs

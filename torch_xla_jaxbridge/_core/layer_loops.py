@@ -138,7 +138,7 @@ def _run_chain(jaxpr, chain, env):
     return list(out[:n_carried]), list(out[n_carried:])
 
   xs = [jax.numpy.stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
-  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs)
+  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs, length=len(chain.maps))
   last = chain.maps[-1]
   for v0, value in zip(chain.carried_out, carry):
     env[last[v0]] = value

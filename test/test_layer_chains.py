@@ -270,3 +270,14 @@ def test_a_layer_reading_its_own_value_where_the_first_reads_an_outside_one_is_n
   expected, got, chains = _values_and_grads(f, [H, WS[0]])
   _assert_close(expected, got)
   assert [len(c.segments) for c in chains] == [2]  # calls 1 and 2
+
+
+def test_the_recipe_with_layer_loop_trains_as_without(recipe_run, monkeypatch):
+  """`remat.layer_loop=true` (8 layers: one loop) gives the unrolled step's losses."""
+  found = []
+  real = layer_chains.find
+  monkeypatch.setattr(layer_chains, "find", lambda *a: found.append(real(*a)) or found[-1])
+  looped, _ = recipe_run("model.layers=8", "remat.layer_loop=true")
+  unrolled, _ = recipe_run("model.layers=8")
+  assert [len(c.segments) for c in found[0]] == [8]
+  assert looped == pytest.approx(unrolled, rel=2e-4)

@@ -78,7 +78,8 @@ def make_step(cfg, model, optimizer):
   # master weights: the optimizer trains float32 copies the loss does not read, so the step is
   # forward, backward and the optimizer's step (its hooks move the gradients and values)
   if cfg["remat"]["bridge"] == "step" and not t["master_weights"]:
-    fused = jb.train_step(loss_of, optimizer, fallback=cfg["remat"]["fallback"])
+    fused = jb.train_step(loss_of, optimizer, fallback=cfg["remat"]["fallback"],
+                          layer_loop=cfg["remat"]["layer_loop"])
 
     def step(inputs, targets, schedule):
       lr = optimizer.param_groups[0]["lr"]

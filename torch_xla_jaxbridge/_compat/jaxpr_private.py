@@ -5,14 +5,7 @@ function each: how `_core.layer_chains` compares traced layer calls and runs a p
 """
 from typing import Any, Callable, Optional
 
-
-def _jax():
-  from torch_xla_jaxbridge._compat import torch_xla_private
-
-  torch_xla_private.init_computation_client()  # before JAX can claim the device
-  import jax
-
-  return jax
+from torch_xla_jaxbridge._compat.jax_private import _jax
 
 
 def outer_scope(eqn: Any, prefix: str) -> Optional[str]:

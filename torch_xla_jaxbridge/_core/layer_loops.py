@@ -150,9 +150,8 @@ def _run_chain(jaxpr, chain, env):
 def traced(fn: Callable, args: list) -> tuple:
   """`(closed jaxpr, rebuild)`: `fn(*args)` traced (without equations whose results nothing
   reads: a first trace can hold some that later ones do not), its array leaves the jaxpr's
-  outputs, and
-  `rebuild(values)` its output with those leaves replaced by `values` (other leaves, such as
-  Python values describing the output, kept from the trace)."""
+  outputs, and `rebuild(values)` its output with those leaves replaced by `values` (other leaves,
+  such as Python values describing the output, kept from the trace)."""
   jax = runtime.jax_module()
   box: dict = {}
 

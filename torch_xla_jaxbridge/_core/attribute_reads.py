@@ -4,8 +4,10 @@
 differ between the layers are fine where the forward never reads them (Hugging Face's
 `self_attn.layer_idx`, read only with a cache).
 """
+from __future__ import annotations
+
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -16,7 +18,7 @@ _RECORDING_CLASSES: dict = {}  # (class, attribute names) -> its recording subcl
 
 
 @contextlib.contextmanager
-def attribute_reads(module) -> Iterator[set]:
+def attribute_reads(module: torch.nn.Module) -> Iterator[set]:
   """Inside the block, every read (or assignment) of a plain attribute of `module` or of its
   submodules by name (`self.layer_idx`, `getattr(self, "scale")`) adds its path to the set it
   yields: what a traced forward's program can depend on. Each submodule is given, for the block,
@@ -51,7 +53,7 @@ def attribute_reads(module) -> Iterator[set]:
       _RECORDING.pop(id(sub), None)
 
 
-def _recording_class(cls, names):
+def _recording_class(cls: type, names: tuple[str, ...]) -> type:
   found = _RECORDING_CLASSES.get((cls, names))
   if found is None:
     found = _RECORDING_CLASSES[(cls, names)] = type(
@@ -60,24 +62,24 @@ def _recording_class(cls, names):
   return found
 
 
-def _recorded(name):
-  def note(module):
+def _recorded(name: str) -> property:
+  def note(module: object) -> None:
     path, reads = _RECORDING.get(id(module), ("", None))
     if reads is not None:
       reads.add(f"{path}.{name}" if path else name)
 
-  def get(module):
+  def get(module: object) -> Any:
     note(module)
     try:
       return vars(module)[name]
     except KeyError:
       raise AttributeError(name) from None
 
-  def set_(module, value):
+  def set_(module: object, value: Any) -> None:
     note(module)
     vars(module)[name] = value
 
-  def delete(module):
+  def delete(module: object) -> None:
     note(module)
     del vars(module)[name]
 

@@ -1,30 +1,34 @@
 """`call_jax`: run a JAX function on XLA tensors as one node of the LazyTensor graph."""
+from __future__ import annotations
+
 import contextlib
 import inspect
 import re
 import threading
-from typing import Any, Callable, Iterator, Optional
+import types
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
 from torch_xla_jaxbridge._core import dtypes, lowering, plain, runtime, threads, tracing
+from torch_xla_jaxbridge._core.runtime import PyTree
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
 _X64 = threading.local()  # .on: calls lower in 64-bit mode whatever their inputs (`in_x64`)
-_jax = None
-_user_computation = None
+_jax: Any = None  # the jax module, once `_load` ran
+_user_computation: Any = None  # torch_xla_private.user_computation, once `_load` ran
 
 
-def _load():
+def _load() -> None:
   global _jax, _user_computation
   _jax = runtime.jax_module()
   _user_computation = torch_xla_private.user_computation
 
 
-def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
-             name: Optional[str] = None) -> Any:
+def call_jax(jax_func: Callable, args: tuple, kwargs: dict | None = None,
+             name: str | None = None) -> Any:
   """Calls `jax_func(*args, **kwargs)` on XLA tensors, as one node of the LazyTensor graph.
 
   Tensors anywhere in the `args`/`kwargs` pytrees reach `jax_func` as `jax.Array`s; every other
@@ -74,7 +78,9 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
     hash(static_key)
   except TypeError:  # an unhashable static leaf: key it by value, or say which one
     static_key = static_keys(statics, (args, kwargs), function_name(jax_func, name))
-  signature = (name, treedef, tuple([(t.shape, t.dtype, t.is_xla) for t in tensors]), static_key,
+  shapes = tuple([(t.shape, t.dtype, t.is_xla)  # type: ignore[attr-defined]  # not in stubs
+                  for t in tensors])
+  signature = (name, treedef, shapes, static_key,
                (jax_private.trace_context(), getattr(_X64, "on", False)), captured)
   entry = lowering.CACHE.lookup(anchor, subkey, signature)
   if entry is None:
@@ -108,7 +114,8 @@ def in_x64(on: bool) -> Iterator[None]:
     _X64.on = before
 
 
-def _inline(jax_func, leaves, treedef, tree, name):
+def _inline(jax_func: Callable, leaves: list, treedef: Any, tree: PyTree,
+            name: str | None) -> PyTree:
   """`call_jax` inside bridged code: `jax_func` on the traced arrays, outputs as torchax tensors."""
   values = []
   for path, leaf in zip(_leaf_paths(tree), leaves):
@@ -117,13 +124,13 @@ def _inline(jax_func, leaves, treedef, tree, name):
           f"{function_name(jax_func, name)}: {path} is a tensor on {leaf.device} from outside "
           f"the bridged code that calls call_jax (its other tensors are traced). Pass it to the "
           f"bridged function as an argument, or read it from a variable it closes over.")
-    values.append(leaf.jax() if isinstance(leaf, torch.Tensor) else
+    values.append(leaf.jax() if tracing.is_traced(leaf) else
                   dtypes.to_jax(leaf) if isinstance(leaf, torch.dtype) else leaf)
   args, kwargs = treedef.unflatten(values)
   return tracing.to_torchax(jax_func(*args, **(kwargs or {})))
 
 
-def _cache_anchor(fn):
+def _cache_anchor(fn: Any) -> tuple[object, object, Hashable]:
   """What the cache keys `fn` by: (anchor held by the cache, subkey, captured values).
 
   A bound method is anchored (weakly) on its instance. A closure or lambda whose captured values
@@ -144,7 +151,7 @@ def _cache_anchor(fn):
   return fn, None, None
 
 
-def static_keys(statics, tree, caller):
+def static_keys(statics: Sequence, tree: PyTree, caller: str) -> tuple:
   """The cache keys of the leaves of `tree` (`statics`: a static value or the tensor marker at
   each position), by `plain.static_key`; an unhashable one is an error naming its path.
 
@@ -161,7 +168,7 @@ def static_keys(statics, tree, caller):
   return tuple(keys)
 
 
-def path_name(path):
+def path_name(path: Sequence) -> str:
   """The readable name of a leaf of `(args, kwargs)` from its JAX key path: `args[0]`,
   `kwargs['x'][1]`, ...
 
@@ -173,19 +180,21 @@ def path_name(path):
   return ("args", "kwargs")[path[0].idx] + runtime.jax_module().tree_util.keystr(path[1:])
 
 
-def _leaf_paths(tree):
+def _leaf_paths(tree: PyTree) -> tuple[str, ...]:
   """Readable names of the leaves of `(args, kwargs)`."""
   with_path, _ = runtime.jax_module().tree_util.tree_flatten_with_path(tree)
   return tuple(path_name(path) for path, _ in with_path)
 
 
-def function_name(fn, name=None):
+def function_name(fn: object, name: str | None = None) -> str:
   """A node-name-safe name for `fn`: `name` if given, else its `__name__` or type name."""
   raw = name or getattr(fn, "__name__", None) or type(fn).__name__
   return re.sub(r"[^0-9A-Za-z_.]", "_", raw)
 
 
-def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef, name):
+def _trace(jax_func: Callable, anchor: object, subkey: object, signature: tuple, tree: PyTree,
+           tensors: list[torch.Tensor], statics: list, treedef: Any,
+           name: str | None) -> lowering.Lowered:
   fn_name = function_name(jax_func, name)
   paths = _leaf_paths(tree)
   tensor_paths = [p for p, s in zip(paths, statics) if s is _TENSOR]
@@ -199,7 +208,7 @@ def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef,
   reason = _retrace_reason(fn_name, lowering.CACHE.previous(anchor, subkey), signature, paths)
   values = [dtypes.to_jax(s) if isinstance(s, torch.dtype) else s for s in statics]
 
-  def flat_fn(*tensor_leaves):
+  def flat_fn(*tensor_leaves: Any) -> tuple[list, Any]:
     it = iter(tensor_leaves)
     args, kwargs = treedef.unflatten([next(it) if s is _TENSOR else s for s in values])
     out_leaves, out_tree = _jax.tree.flatten(jax_func(*args, **(kwargs or {})))
@@ -220,7 +229,8 @@ def _trace(jax_func, anchor, subkey, signature, tree, tensors, statics, treedef,
   return entry
 
 
-def _retrace_reason(fn_name, previous, signature, paths):
+def _retrace_reason(fn_name: str, previous: tuple | None, signature: tuple,
+                    paths: Sequence[str]) -> str | None:
   """One line saying what changed since this function's last signature; None if first trace."""
   if previous is None:
     return None
@@ -252,6 +262,6 @@ def _retrace_reason(fn_name, previous, signature, paths):
   return f"{fn_name}: " + ("; ".join(changes) or "new signature")
 
 
-def _show(static_key):
+def _show(static_key: tuple) -> str:
   kind, value = static_key[0], static_key[-1]
   return f"{value!r} ({kind.__name__})" if kind in (int, float, bool) else repr(value)

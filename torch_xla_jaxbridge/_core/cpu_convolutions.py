@@ -7,7 +7,10 @@ a channels-first convolution stays a naive loop: 20-37x slower here (docs/perfor
 While the package lowers for CPU, every convolution is emitted channels-last between transposes,
 which XLA folds into layouts where it can; the values are the same.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import Any, Callable, Iterator
 
 from torch_xla_jaxbridge._compat import jax_lowering_private
 from torch_xla_jaxbridge._core import threads
@@ -16,7 +19,7 @@ _ACTIVE = threads.Switch()  # on: this thread is lowering for CPU
 
 
 @contextlib.contextmanager
-def channels_last():
+def channels_last() -> Iterator[None]:
   """Within the block, convolutions this thread lowers are emitted channels-last.
 
   Example:
@@ -34,21 +37,21 @@ def channels_last():
 
 
 @threads.once
-def _install():
+def _install() -> None:
   jax_lowering_private.wrap_cpu_lowering(
       jax_lowering_private.conv_general_dilated_primitive(), _rule_over)
 
 
-def _channels_last_specs(rank):
+def _channels_last_specs(rank: int) -> tuple[tuple[int, ...], ...]:
   spatial = tuple(range(1, rank - 1))
   return ((0, rank - 1, *spatial), (rank - 1, rank - 2, *range(rank - 2)), (0, rank - 1, *spatial))
 
 
-def _rule_over(original):
+def _rule_over(original: Callable[..., Any]) -> Callable[..., Any]:
   """The CPU rule: `original` for channels-last convolutions and outside `channels_last()`;
   otherwise the same convolution between transposes."""
 
-  def rule(ctx, lhs, rhs, *, dimension_numbers, **params):
+  def rule(ctx: Any, lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> Any:
     specs = tuple(tuple(s) for s in dimension_numbers)
     target = _channels_last_specs(len(specs[0]))
     if not _ACTIVE.is_on() or specs == target:
@@ -56,7 +59,7 @@ def _rule_over(original):
     (lhs_spec, rhs_spec, out_spec) = specs
     primitive = jax_lowering_private.conv_general_dilated_primitive()
 
-    def transposed(x, w):
+    def transposed(x: Any, w: Any) -> Any:
       x = x.transpose((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
       w = w.transpose((*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
       y = primitive.bind(x, w, dimension_numbers=type(dimension_numbers)(*target), **params)

@@ -8,7 +8,10 @@ lowers for CPU, these primitives use JAX's lowering for other platforms instead:
 compiles. Linear algebra with no such lowering (eigenvalues, SVD, ...) is caught by
 `lowering.refuse_foreign_custom_calls` and the region falls back.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import Any, Callable, Iterator
 
 from torch_xla_jaxbridge._compat import jax_lowering_private
 from torch_xla_jaxbridge._core import threads
@@ -20,7 +23,7 @@ _ACTIVE = threads.Switch()  # on: this thread is lowering for torch_xla's CPU ru
 
 
 @contextlib.contextmanager
-def portable_linalg():
+def portable_linalg() -> Iterator[None]:
   """Within the block, the linear algebra this thread lowers for CPU needs no LAPACK call.
 
   Example:
@@ -37,17 +40,19 @@ def portable_linalg():
 
 
 @threads.once
-def _install():
+def _install() -> None:
   for primitive in jax_lowering_private.linalg_primitives(*PORTABLE):
     portable = jax_lowering_private.generic_lowering_rule(primitive)
+    if portable is None:  # JAX has none: its LAPACK call stays, and lowering refuses it
+      continue
     jax_lowering_private.wrap_cpu_lowering(primitive, _rule_over(portable))
 
 
-def _rule_over(portable):
+def _rule_over(portable: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """The CPU rule: the LAPACK rule `original` outside `portable_linalg()`, else `portable`."""
 
-  def wrapper(original):
-    def rule(ctx, *operands, **params):
+  def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def rule(ctx: Any, *operands: Any, **params: Any) -> Any:
       chosen = portable if _ACTIVE.is_on() else original
       return chosen(ctx, *operands, **params)
 

@@ -1,4 +1,6 @@
 """Errors raised while torch code is traced, rewritten to name the user's line and the fix."""
+from __future__ import annotations
+
 import os
 import re
 import sysconfig
@@ -47,14 +49,14 @@ def user_frame(exc: BaseException) -> str:
   return "<unknown line>"
 
 
-def _data_dependent_errors():
+def _data_dependent_errors() -> tuple[type[Exception], ...]:
   errs = runtime.jax_module().errors
   return (errs.TracerBoolConversionError, errs.ConcretizationTypeError,
           errs.TracerIntegerConversionError, errs.NonConcreteBooleanIndexError,
           errs.TracerArrayConversionError)
 
 
-def _rewrite_hint(source):
+def _rewrite_hint(source: str) -> str:
   """Two lines showing how to write the user's data-dependent line with tensors."""
   branch = re.match(r"\s*(?:el)?if (.+?):\s*$", source)
   loop = re.match(r"\s*while (.+?):\s*$", source)

@@ -1,11 +1,17 @@
 """torch dtype <-> JAX dtype."""
+from __future__ import annotations
+
+import types
+from typing import Any, Iterable
+
 import numpy as np
+from numpy.typing import DTypeLike
 import torch
 
 from torch_xla_jaxbridge import errors
 
 
-def _table():
+def _table() -> dict[torch.dtype, np.dtype]:
   import ml_dtypes
 
   return {
@@ -32,7 +38,7 @@ UNSIGNED_AS_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint3
                       np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
 
 
-def needs_x64(dtypes):
+def needs_x64(dtypes: Iterable[torch.dtype | DTypeLike]) -> bool:
   """Whether values of these dtypes (torch or JAX) need JAX's 64-bit mode: any 8-byte element
   type (float64, int64, uint64, complex128), the one rule for every trace and lowering.
 
@@ -47,7 +53,7 @@ def needs_x64(dtypes):
   return False
 
 
-def to_jax(dtype, where="dtype"):
+def to_jax(dtype: torch.dtype, where: str = "dtype") -> np.dtype:
   """The JAX (numpy) dtype for a torch dtype; `where` names the argument in the error.
 
   Example:
@@ -62,7 +68,7 @@ def to_jax(dtype, where="dtype"):
         f"{', '.join(str(d) for d in TORCH_TO_JAX)}. Cast the tensor first.") from None
 
 
-def to_torch(dtype):
+def to_torch(dtype: DTypeLike) -> torch.dtype:
   """The torch dtype for a JAX (numpy) dtype.
 
   Example:
@@ -72,7 +78,7 @@ def to_torch(dtype):
   return JAX_TO_TORCH[np.dtype(dtype)]
 
 
-def torch_compatible(jax, x):
+def torch_compatible(jax: types.ModuleType, x: Any) -> Any:
   """`x` (a traced JAX value) as a dtype torch_xla represents faithfully: unsigned 16/32/64-bit
   integers are bitcast to the signed type of the same width; PRNG keys become their key data.
 
@@ -89,7 +95,7 @@ def torch_compatible(jax, x):
   return jax.lax.bitcast_convert_type(x, signed) if signed is not None else x
 
 
-def restore(jax, x, dtype):
+def restore(jax: types.ModuleType, x: Any, dtype: DTypeLike) -> Any:
   """Undoes `torch_compatible` for a value that was of `dtype`.
 
   Example:

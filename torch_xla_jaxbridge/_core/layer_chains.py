@@ -8,8 +8,10 @@ constants; each layer's own parameters are inputs), each call reading the previo
 Layers are judged by the program they trace into, not by their attributes: Hugging Face's
 `layer_idx` differs between layers and changes nothing in training.
 """
+from __future__ import annotations
+
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -70,7 +72,7 @@ def find(jaxpr: Any, min_calls: int = 2) -> list:
   return chains
 
 
-def _segments(eqns):
+def _segments(eqns: Sequence[Any]) -> list[list[int]]:
   """Each marked call's equation indices (by its outermost scope), in program order."""
   runs: list = []
   last = None
@@ -86,14 +88,15 @@ def _segments(eqns):
   return runs
 
 
-def _grow(eqns, segments, first, defined_at):
+def _grow(eqns: Sequence[Any], segments: list[list[int]], first: int,
+          defined_at: dict[Any, int]) -> Chain | None:
   """The longest chain starting at `segments[first]`, or None."""
   base = segments[first]
   if any(eqns[k].effects for k in base):
     return None
   inputs0, map0 = _external_inputs(eqns, base)
   chain = Chain([base], [map0], [], [], [[] for _ in inputs0], [])
-  kinds = None
+  kinds: list[tuple[str, Any]] | None = None
   start = base[0]
   for seg in segments[first + 1:]:
     mapped = _match(eqns, base, seg)
@@ -104,7 +107,7 @@ def _grow(eqns, segments, first, defined_at):
       break
     previous = chain.maps[-1]
     back = {v: k for k, v in previous.items()}  # previous call's variables -> call 0's
-    these = []
+    these: Any = []  # each input's (kind, ...), or None: no chain
     for a0, a in zip(inputs0, inputs):
       if a is a0:
         these.append(("shared", None))
@@ -137,11 +140,11 @@ def _grow(eqns, segments, first, defined_at):
   return chain
 
 
-def _defined_before(var, start, defined_at):
+def _defined_before(var: Any, start: int, defined_at: dict[Any, int]) -> bool:
   return defined_at.get(var, -1) < start
 
 
-def _external_inputs(eqns, seg):
+def _external_inputs(eqns: Sequence[Any], seg: list[int]) -> tuple[list, dict]:
   """The variables a segment reads but does not define, in first-read order, and the identity
   map of the variables it defines."""
   defined, inputs, seen = {}, [], set()
@@ -155,7 +158,7 @@ def _external_inputs(eqns, seg):
   return inputs, defined
 
 
-def _match(eqns, base, seg):
+def _match(eqns: Sequence[Any], base: list[int], seg: list[int]) -> tuple[dict, list] | None:
   """`(map of base's variables to seg's, seg's external inputs in base's order)` when `seg`
   computes what `base` does on other inputs, else None."""
   if len(seg) != len(base):
@@ -192,22 +195,22 @@ def _match(eqns, base, seg):
   return mapping, inputs
 
 
-def _aval(var):
+def _aval(var: Any) -> tuple[tuple[int, ...], str, bool]:
   aval = var.aval
   return (tuple(aval.shape), str(aval.dtype), getattr(aval, "weak_type", False))
 
 
-def _same_literal(a, b):
+def _same_literal(a: Any, b: Any) -> bool:
   return _aval(a) == _aval(b) and np.array_equal(np.asarray(a.val), np.asarray(b.val))
 
 
-def _same_params(p0, p1):
+def _same_params(p0: dict[str, Any], p1: dict[str, Any]) -> bool:
   if p0.keys() != p1.keys():
     return False
   return all(_same_value(p0[k], p1[k]) for k in p0)
 
 
-def _same_value(a, b):
+def _same_value(a: Any, b: Any) -> bool:
   """Equal equation parameters: by value, jaxprs by their text and constants, functions by
   their code and what they close over."""
   if a is b:
@@ -229,7 +232,7 @@ def _same_value(a, b):
     return _same_array(a, b)
 
 
-def _same_array(x, y):
+def _same_array(x: Any, y: Any) -> bool:
   if x is y:
     return True
   try:
@@ -239,7 +242,7 @@ def _same_array(x, y):
     return False
 
 
-def _set_outputs(jaxpr, chain):
+def _set_outputs(jaxpr: Any, chain: Chain) -> None:
   """Call 0's variables whose value in some call is read outside the chain."""
   inside = {k for seg in chain.segments for k in seg}
   read_outside = set(v for v in jaxpr.outvars if not jaxpr_private.is_literal(v))

@@ -5,9 +5,11 @@ its own (`marking`); the traced program's chains of equal layer calls (`layer_ch
 run as one `jax.lax.scan` over the layers' inputs stacked (`evaluate`), so differentiating it
 gives one loop for the backward too: the program holds one layer body, whatever the depth.
 """
+from __future__ import annotations
+
 import contextlib
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -51,10 +53,10 @@ def marking(roots: Iterable[torch.nn.Module], min_calls: int = 2) -> Iterator[in
       child.__class__ = cls
 
 
-def _marked_class(cls):
+def _marked_class(cls: type) -> type:
   found = _MARKED_CLASSES.get(cls)
   if found is None:
-    def __call__(self, *args, **kwargs):
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
       with runtime.jax_module().named_scope(f"{layer_chains.MARK}{next(_CALLS)}"):
         return cls.__call__(self, *args, **kwargs)
 
@@ -95,7 +97,7 @@ def evaluate(closed: Any, chains: list, args: list) -> list:
   return [a.val if jaxpr_private.is_literal(a) else env[a] for a in jaxpr.outvars]
 
 
-def _readers(jaxpr):
+def _readers(jaxpr: Any) -> dict[Any, set[int]]:
   readers: dict = {}
   for index, eqn in enumerate(jaxpr.eqns):
     for a in eqn.invars:
@@ -107,7 +109,8 @@ def _readers(jaxpr):
   return readers
 
 
-def _run_equations(jaxpr, indices, done, env, readers):
+def _run_equations(jaxpr: Any, indices: Iterable[int], done: set, env: dict,
+                   readers: dict[Any, set[int]]) -> None:
   """Runs the equations at `indices` not in `done` as one function; adds them to `done`."""
   todo = [k for k in indices if k not in done]
   if not todo:
@@ -124,7 +127,7 @@ def _run_equations(jaxpr, indices, done, env, readers):
   done.update(todo)
 
 
-def _run_chain(jaxpr, chain, env):
+def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict) -> None:
   jax = runtime.jax_module()
   base = [jaxpr.eqns[k] for k in chain.segments[0]]
   stacked0 = [per_call[0] for per_call in chain.stacked_per_call]
@@ -133,7 +136,7 @@ def _run_chain(jaxpr, chain, env):
   shared = [env[a] for a in chain.shared]
   n_carried = len(chain.carried)
 
-  def body(carry, xs):
+  def body(carry: list, xs: list) -> tuple[list, list]:
     out = body_fn(*carry, *xs, *shared)
     return list(out[:n_carried]), list(out[n_carried:])
 
@@ -155,7 +158,7 @@ def traced(fn: Callable, args: list) -> tuple:
   jax = runtime.jax_module()
   box: dict = {}
 
-  def arrays_only(*a):
+  def arrays_only(*a: Any) -> list:
     leaves, tree = jax.tree.flatten(fn(*a))
     arrays = [isinstance(x, jax.Array) for x in leaves]
     box.update(tree=tree, arrays=arrays,  # the traced values not kept: JAX checks for leaks
@@ -164,7 +167,7 @@ def traced(fn: Callable, args: list) -> tuple:
 
   closed = jaxpr_private.without_dead_code(jax.make_jaxpr(arrays_only)(*args))
 
-  def rebuild(values):
+  def rebuild(values: Iterable[Any]) -> Any:
     it = iter(values)
     leaves = [next(it) if is_array else x for x, is_array in zip(box["leaves"], box["arrays"])]
     return jax.tree.unflatten(box["tree"], leaves)
@@ -173,7 +176,7 @@ def traced(fn: Callable, args: list) -> tuple:
 
 
 def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module],
-            min_calls: int = 2) -> Optional[tuple]:
+            min_calls: int = 2) -> tuple | None:
   """`(looped, chains)`: `fn` (JAX code running the torch code of the modules `roots`) traced once
   with their layers marked, as `looped(*args)` whose chains of at least `min_calls` layer calls
   run as loops; None when no container holds `min_calls` modules of one class (then call `fn`

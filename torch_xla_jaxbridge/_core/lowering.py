@@ -4,6 +4,8 @@ A signature is everything the traced program depends on: the pytree structure of
 each tensor's shape and dtype, each static (non-tensor) value, and JAX's trace-time config.
 Functions are held weakly, so closures that die take their entries with them.
 """
+from __future__ import annotations
+
 import collections
 import contextlib
 import dataclasses
@@ -13,10 +15,14 @@ import re
 import threading
 import types
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, MutableMapping, Sequence
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_lowering_private, jax_private, torch_xla_private
 from torch_xla_jaxbridge._core import cpu_convolutions, cpu_linalg, dtypes, runtime
+
+if TYPE_CHECKING:
+  import jax
 
 logger = logging.getLogger("torch_xla_jaxbridge.lowering")  # the documented name (docs/call_jax.md)
 
@@ -30,12 +36,13 @@ CacheInfo = collections.namedtuple(
 class Lowered:
   """One traced and lowered signature: the computation to call and how to rebuild its outputs."""
   op_name: str
-  computation: object  # torch_xla XlaComputation
-  out_tree: object  # jax PyTreeDef of the outputs
+  computation: Any  # torch_xla XlaComputation
+  out_tree: jax.tree_util.PyTreeDef  # of the outputs
   leaf_paths: tuple  # readable path of each input leaf, for re-trace reasons
 
 
-def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
+def lower(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any], *, op_name: str,
+          enable_x64: bool, platform: str | None = None) -> tuple[Any, Any]:
   """Traces `flat_fn(*avals)` and lowers it to a torch_xla computation.
 
   `flat_fn` takes the tensor leaves and returns `(out_leaves, out_tree)` as a JAX function would;
@@ -50,7 +57,7 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
   jax = runtime.jax_module()
   out_tree = []
 
-  def leaves_only(*flat_args):
+  def leaves_only(*flat_args: Any) -> list:
     leaves, tree = flat_fn(*flat_args)
     out_tree.append(tree)
     return leaves
@@ -70,7 +77,7 @@ def lower(flat_fn, avals, *, op_name, enable_x64, platform=None):
 
 
 @contextlib.contextmanager
-def runtime_forms(platform: str):
+def runtime_forms(platform: str) -> Iterator[None]:
   """Context: lower in the forms torch_xla's runtime on `platform` needs. On CPU: convolutions
   channels-last (XLA:CPU's fast kernels need it, made for them only in the program's entry) and
   linear algebra without jaxlib's LAPACK calls (torch_xla's runtime has no handler for them).
@@ -110,7 +117,7 @@ def refuse_foreign_custom_calls(proto: bytes, op_name: str) -> None:
 
 
 @functools.cache
-def _foreign_targets() -> dict:
+def _foreign_targets() -> dict[bytes, list[str]]:
   """jaxlib's custom call targets by their prefix (a fast first test on large programs)."""
   targets = collections.defaultdict(list)
   for name in jax_lowering_private.jaxlib_custom_call_targets():
@@ -118,7 +125,7 @@ def _foreign_targets() -> dict:
   return dict(targets)
 
 
-def needs_32_bit_mode(traced, avals) -> bool:
+def needs_32_bit_mode(traced: Any, avals: Sequence[Any]) -> bool:
   """Whether a program traced in JAX's 64-bit mode must be traced again without it: it calls a
   Pallas kernel (which lowers, for TPU and in interpret mode, in 32-bit mode only) and no input
   is 64-bit (the mode was asked for torch's dtypes inside bridged code, not by the inputs).
@@ -133,7 +140,8 @@ def needs_32_bit_mode(traced, avals) -> bool:
           and jax_private.holds_pallas_kernel(traced.jaxpr))
 
 
-def _trace(jax, fn, avals, op_name, enable_x64):
+def _trace(jax: types.ModuleType, fn: Callable, avals: Sequence[Any], op_name: str,
+           enable_x64: bool) -> Any:
   with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
     try:
       with jax.checking_leaks():
@@ -176,7 +184,7 @@ def without_module_id(proto: bytes) -> bytes:
   return bytes(kept)
 
 
-def _varint(data, i):
+def _varint(data: bytes, i: int) -> tuple[int, int]:
   """The protobuf varint at `data[i]`, and the position after it."""
   value = shift = 0
   while True:
@@ -191,7 +199,7 @@ def _varint(data, i):
 MAX_SIGNATURES_PER_FUNCTION = 64
 
 
-def _leak_message(op_name, jax_message):
+def _leak_message(op_name: str, jax_message: str) -> str:
   """Our message for JAX's 'Leaked trace' report: who holds the first leaked value."""
   chain = []
   for line in jax_message.splitlines():
@@ -217,9 +225,9 @@ class _FunctionEntries:
   """The lowered signatures of one function (least recently used first) and its last signature."""
   __slots__ = ("by_signature", "last_signature")
 
-  def __init__(self):
-    self.by_signature = {}
-    self.last_signature = None
+  def __init__(self) -> None:
+    self.by_signature: dict[Hashable, Lowered] = {}
+    self.last_signature: Hashable = None
 
 
 class LoweringCache:
@@ -235,22 +243,23 @@ class LoweringCache:
     0
   """
 
-  def __init__(self):
-    self._weak = weakref.WeakKeyDictionary()
-    self._strong = {}
+  def __init__(self) -> None:
+    self._weak: weakref.WeakKeyDictionary[Any, dict[object, _FunctionEntries]] = (
+        weakref.WeakKeyDictionary())
+    self._strong: dict[Any, dict[object, _FunctionEntries]] = {}
     self._lock = threading.Lock()
     self.hits = 0
     self.misses = 0
-    self._reasons = collections.deque(maxlen=_REASONS_KEPT)
+    self._reasons: collections.deque[str] = collections.deque(maxlen=_REASONS_KEPT)
 
-  def _table(self, anchor):
+  def _table(self, anchor: object) -> MutableMapping[Any, dict[object, _FunctionEntries]]:
     return self._strong if isinstance(anchor, types.CodeType) else self._weak
 
-  def _function(self, anchor, subkey):
+  def _function(self, anchor: object, subkey: object) -> _FunctionEntries | None:
     entries = self._table(anchor).get(anchor)
     return entries.get(subkey) if entries is not None else None
 
-  def lookup(self, anchor, subkey, signature):
+  def lookup(self, anchor: object, subkey: object, signature: Hashable) -> Lowered | None:
     """Returns the `Lowered` for this signature (counting a hit), or None."""
     per_function = self._function(anchor, subkey)
     if per_function is not None:
@@ -265,7 +274,7 @@ class LoweringCache:
         return found
     return None
 
-  def previous(self, anchor, subkey):
+  def previous(self, anchor: object, subkey: object) -> tuple[Hashable, Lowered] | None:
     """The (signature, Lowered) this function was last called with, or None if never traced."""
     per_function = self._function(anchor, subkey)
     if per_function is None or per_function.last_signature not in per_function.by_signature:
@@ -273,7 +282,8 @@ class LoweringCache:
     last = per_function.last_signature
     return last, per_function.by_signature[last]
 
-  def add(self, anchor, subkey, signature, lowered, reason=None):
+  def add(self, anchor: object, subkey: object, signature: Hashable, lowered: Lowered,
+          reason: str | None = None) -> None:
     """Stores a newly lowered signature (counting a miss: one per trace); `reason` says why a
     known function was re-traced."""
     with self._lock:
@@ -289,7 +299,7 @@ class LoweringCache:
       self._reasons.append(reason)
       logger.debug("re-trace: %s", reason)
 
-  def info(self):
+  def info(self) -> CacheInfo:
     """Counters in the shape of functools' CacheInfo, plus the recent re-trace reasons."""
     size = 0
     for table in (self._weak, self._strong):
@@ -298,7 +308,7 @@ class LoweringCache:
     return CacheInfo(self.hits, self.misses, MAX_SIGNATURES_PER_FUNCTION, size,
                      list(self._reasons))
 
-  def clear(self):
+  def clear(self) -> None:
     """Drops every entry and resets the counters."""
     with self._lock:
       self._weak = weakref.WeakKeyDictionary()

@@ -9,6 +9,7 @@ import functools
 import operator
 import threading
 import weakref
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 import torch
 
@@ -18,9 +19,10 @@ from torch_xla_jaxbridge._core import plain
 
 # set by torch.nn.Module itself; the forward reads none of them (hooks aside, see attributes)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training"}
+_T = TypeVar("_T")
 
 
-def own_attributes(module):
+def own_attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
   """`(name, value)` of a module's own attributes, sorted, without torch's bookkeeping (and the
   bridge's own `forward`).
 
@@ -34,9 +36,11 @@ def own_attributes(module):
 
 # the plain values of a module's attributes that a trace reads as they are: a change retraces
 _SETTINGS = (bool, int, float, complex, str)
+Tensors = dict[str, torch.Tensor]  # tensors by full name
+ModuleState = tuple[Tensors, Tensors, tuple[bool, ...]]  # (params, buffers, training): `state()`
 
 
-def _setting_names(module):
+def _setting_names(module: torch.nn.Module) -> tuple[str, ...]:
   """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
   return tuple(k for k, v in own_attributes(module) if type(v) in _SETTINGS)
 
@@ -50,16 +54,16 @@ class Settings:
   """
   __slots__ = ("values", "hash", "types")
 
-  def __init__(self, values: tuple):
+  def __init__(self, values: tuple) -> None:
     self.values = values
     self.types = tuple(tuple(map(type, v)) if v is not None else None for v in values)
     self.hash = hash(values)
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return self is other or (isinstance(other, Settings) and self.hash == other.hash and
                              self.values == other.values and self.types == other.types)
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return self.hash
 
 
@@ -68,7 +72,9 @@ class BridgedForward(functools.partial):
   decides what the module computes (its class's forward does)."""
 
 
-def module_forward(module, params, buffers, training, args, kwargs, hooks=True):
+def module_forward(module: torch.nn.Module, params: Tensors, buffers: Tensors,
+                   training: Iterable[bool], args: tuple, kwargs: dict | None,
+                   hooks: bool = True) -> Any:
   """Runs `module(*args, **kwargs)` with the given parameters, buffers and per-submodule training
   modes (in `module.modules()` order), restoring the modes after. Without `hooks`, the module's
   class `forward` is called directly (no hooks, not a `forward` set on the instance).
@@ -96,7 +102,7 @@ def module_forward(module, params, buffers, training, args, kwargs, hooks=True):
       sub.training = mode
 
 
-def _check_attributes_kept(module, buffers):
+def _check_attributes_kept(module: torch.nn.Module, buffers: Tensors) -> None:
   """A forward that assigned a new tensor to a plain tensor attribute it was given: the
   assignment would be undone with the module's state, so it is an error (the region falls back,
   and the plain run keeps it)."""
@@ -123,10 +129,10 @@ class Calling:
   """
   __slots__ = ("_local",)
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._local = threading.local()
 
-  def run_for(self, module, fn, *args):
+  def run_for(self, module: torch.nn.Module, fn: Callable[..., _T], *args: Any) -> _T:
     """`fn(*args)`, with `module()` giving `module` meanwhile (in this thread)."""
     local = self._local
     before = getattr(local, "module", None)
@@ -136,7 +142,7 @@ class Calling:
     finally:
       local.module = before
 
-  def module(self):
+  def module(self) -> torch.nn.Module:
     """The module of the innermost `run_for` of this thread."""
     found = getattr(self._local, "module", None)
     if found is None:
@@ -150,22 +156,22 @@ class _Same:
   alive through an attribute that refers back to them); a dead one equals nothing."""
   __slots__ = ("ref", "hash")
 
-  def __init__(self, value):
+  def __init__(self, value: object) -> None:
     try:
-      self.ref = weakref.ref(value)
+      self.ref: Callable[[], object] = weakref.ref(value)
     except TypeError:  # no weak reference to it (a builtin function): held
       self.ref = lambda: value
     self.hash = id(value)
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     mine = self.ref()
     return isinstance(other, _Same) and mine is not None and other.ref() is mine
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return self.hash
 
 
-def structure_key(module, same_objects=True):
+def structure_key(module: torch.nn.Module, same_objects: bool = True) -> tuple | None:
   """A hashable description of everything but the tensor values a module's forward depends on.
   Modules with equal keys share one trace: the same classes, tensor shapes and dtypes, and
   attributes equal by value (`plain.key(..., contents=True)`: numbers, strings, containers,
@@ -179,7 +185,7 @@ def structure_key(module, same_objects=True):
   """
   parts = []
   for name, sub in module.named_modules():
-    attrs = []
+    attrs: list[tuple[str, Hashable]] = []
     for name_, value in own_attributes(sub):
       if isinstance(value, torch.Tensor):  # a plain tensor attribute: an input, as a buffer
         attrs.append((name_, (torch.Tensor, tuple(value.shape), value.dtype)))
@@ -209,15 +215,17 @@ class StateWalk:
     ['bias', 'weight']
   """
 
-  def __init__(self, module):
+  def __init__(self, module: torch.nn.Module) -> None:
     self.module = weakref.ref(module)  # weak: a cache of walks keyed by module lets it go
     self.walks = 0  # how many times the module was walked (a new walk: its layout changed)
     self._walk()
 
-  def _walk(self):
+  def _walk(self) -> None:
     self.walks += 1
     # a submodule used at two paths is one place: its tensors go in once, under its first path
-    named = list(self.module().named_modules())
+    module = self.module()
+    assert module is not None, "walked after its module died"
+    named = list(module.named_modules())
     # everything weak (submodules, and children by id: a dead one's own entry says it changed),
     # so a walk kept as a weak dictionary's value never keeps its key alive
     self.entries = [(f"{prefix}." if prefix else "", weakref.ref(sub),
@@ -229,9 +237,10 @@ class StateWalk:
     # so that it reads a tuple): `settings()`
     self.setting_readers = [(weakref.ref(sub), operator.itemgetter(*names, "training"))
                             for _, sub in named if (names := _setting_names(sub))]
-    self.last_settings = self.last_values = None
+    self.last_settings = Settings(())  # replaced at the first `settings()`
+    self.last_values: list | None = None
 
-  def settings(self) -> "Settings":
+  def settings(self) -> Settings:
     """The plain values (numbers, strings) the module's submodules hold as attributes now: what
     a trace read as constants, so a call whose settings differ traces again (`self.scale = 3.0`
     after a call with 2.0). Unchanged values give the same object (its hash kept), so a call
@@ -257,7 +266,7 @@ class StateWalk:
       self.last_settings = Settings(tuple(values))
     return self.last_settings
 
-  def state(self):
+  def state(self) -> ModuleState:
     """`(params, buffers, training)`: tensors by full name and each submodule's mode. A parameter
     tied between two submodules is passed under both names (its gradient sums over the uses in
     torch's backward)."""
@@ -265,9 +274,10 @@ class StateWalk:
     if found is None:  # a parameter, buffer or submodule entry changed: walk again
       self._walk()
       found = self._read()
+      assert found is not None, "a fresh walk reads its module"
     return found
 
-  def _read(self):
+  def _read(self) -> ModuleState | None:
     """`state()` from the walk, or None where a submodule's entries are not the walk's (read in
     the same pass: a step's host time grows with the submodules)."""
     params, buffers, training = {}, {}, []
@@ -293,11 +303,12 @@ class StateWalk:
         value = vars(sub).get(key)
         if not isinstance(value, torch.Tensor):  # no longer a tensor: walk again
           return None
-        buffers[prefix + key] = value if value.is_xla else _on_device(value, params)
+        buffers[prefix + key] = (value if value.is_xla  # type: ignore[attr-defined]  # stubs
+                                 else _on_device(value, params))
     return params, buffers, tuple(training)
 
 
-def _tensor_attributes(module):
+def _tensor_attributes(module: torch.nn.Module) -> tuple[str, ...]:
   """The names of the tensors a module holds as plain attributes (not parameters or buffers),
   such as GPT-J's rotary table: read with its buffers, by name (`holding_table`)."""
   return tuple(k for k, v in vars(module).items() if isinstance(v, torch.Tensor))
@@ -306,14 +317,15 @@ def _tensor_attributes(module):
 _DEVICE_COPIES: dict = {}  # id of a CPU tensor -> (weak reference to it, its version, XLA copy)
 
 
-def _on_device(tensor, params):
+def _on_device(tensor: torch.Tensor, params: Tensors) -> torch.Tensor:
   """The XLA copy of a CPU tensor attribute, made once per version of it (a forward that moves
   it, as GPT-J's does, finds it moved; plain torch_xla moves it on the first call). The copy
   goes with the tensor."""
   version = torch_private.tensor_version(tensor)
   found = _DEVICE_COPIES.get(id(tensor))
   if found is None or found[0]() is not tensor or found[1] != version:
-    device = next((p.device for p in params.values() if p.is_xla), None)
+    device = next((p.device for p in params.values()
+                   if p.is_xla), None)  # type: ignore[attr-defined]  # not in stubs
     if device is None:
       import torch_xla
       device = torch_xla.device()
@@ -324,7 +336,7 @@ def _on_device(tensor, params):
   return found[2]
 
 
-def holding_table(module, name):
+def holding_table(module: torch.nn.Module, name: str) -> dict[str, Any]:
   """The table a tensor of `module` named `name` (no dots) lives in: its parameters, its buffers,
   or, for a plain tensor attribute, its `__dict__`.
 
@@ -340,13 +352,13 @@ def holding_table(module, name):
   return vars(module)
 
 
-def _children(module):
+def _children(module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """A module's children as a walk compares them: their names, and their ids (holding none)."""
   table = torch_private.children_table(module)
   return tuple(table), tuple(map(id, table.values()))
 
 
-def module_state(module):
+def module_state(module: torch.nn.Module) -> ModuleState:
   """`(params, buffers, training)` of `module`, as `StateWalk(module).state()` reads them.
 
   Example:
@@ -357,7 +369,7 @@ def module_state(module):
   return StateWalk(module).state()
 
 
-def attribute_differences(first, other):
+def attribute_differences(first: torch.nn.Module, other: torch.nn.Module) -> list[str]:
   """Names of the attributes of module `other` (and of its submodules, by path) whose values
   could change the computation from `first`'s, public names first: plain values compared by
   `plain.key`, anything else by identity. `first` and `other` must have the same submodule paths.
@@ -377,7 +389,7 @@ def attribute_differences(first, other):
   return differ
 
 
-def _same(a, b):
+def _same(a: Any, b: Any) -> bool:
   if type(a) is functools.partial and type(b) is functools.partial:  # each layer's own partial
     return (_same(a.func, b.func) and len(a.args) == len(b.args) and
             all(map(_same, a.args, b.args)) and a.keywords.keys() == b.keywords.keys() and

@@ -6,9 +6,11 @@ at least one thread is inside it (a lock and a depth counter, so nested and conc
 install and restore once) and tells each replacement whether the calling thread is inside, so
 other threads keep the original behaviour.
 """
+from __future__ import annotations
+
 import inspect
 import threading
-from typing import Callable
+from typing import Any, Callable, Literal
 
 _MISSING = object()
 
@@ -29,11 +31,11 @@ class Patch:
     'plain'
   """
 
-  def __init__(self, owners: Callable[[], list], replacements: dict):
+  def __init__(self, owners: Callable[[], list], replacements: dict[str, Any]) -> None:
     self._owners = owners
     self._replacements = dict(replacements)
-    self._originals = {}
-    self._installed_on = []
+    self._originals: dict[str, Any] = {}
+    self._installed_on: list = []
     self._lock = threading.Lock()
     self._depth = 0
     self._local = threading.local()
@@ -42,12 +44,12 @@ class Patch:
     """Whether the calling thread is inside this patch."""
     return getattr(self._local, "depth", 0) > 0
 
-  def original(self, name):
+  def original(self, name: str) -> Any:
     """The value `name` had before the patch (None where it had none)."""
     found = self._originals.get(name, _MISSING)
     return None if found is _MISSING else found
 
-  def __enter__(self):
+  def __enter__(self) -> Patch:
     with self._lock:
       if self._depth == 0:
         self._install()
@@ -55,7 +57,7 @@ class Patch:
     self._local.depth = getattr(self._local, "depth", 0) + 1
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: object) -> Literal[False]:
     self._local.depth -= 1
     with self._lock:
       self._depth -= 1
@@ -63,7 +65,7 @@ class Patch:
         self._restore()
     return False
 
-  def _install(self):
+  def _install(self) -> None:
     owners = [o for o in self._owners() if o is not None]
     self._installed_on = owners
     for name in self._replacements:  # the first owner's value is the original
@@ -73,7 +75,7 @@ class Patch:
         if _stored(owner, name) is self._originals[name]:
           setattr(owner, name, replacement)
 
-  def _restore(self):
+  def _restore(self) -> None:
     for owner in self._installed_on:
       for name, replacement in self._replacements.items():
         if _stored(owner, name) is replacement:
@@ -84,6 +86,6 @@ class Patch:
     self._installed_on = []
 
 
-def _stored(owner, name):
+def _stored(owner: object, name: str) -> Any:
   """The value stored under `name` (a class's classmethod object itself, not a bound method)."""
   return inspect.getattr_static(owner, name, _MISSING)

@@ -5,11 +5,14 @@ static arguments and closures, a bridged module's structure key, and the check t
 a scan are identical. Two plain values share a trace only if their keys are equal, and keys keep
 types apart (`1`, `1.0` and `True` differ; so do `(1, 2)` and `[1, 2]`).
 """
+from __future__ import annotations
+
 import collections.abc
 import dataclasses
 import enum
 import functools
 import types
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -23,12 +26,12 @@ _ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.
 class NotPlain(Exception):
   """Raised by `key` for a value that is not plain; `.value` is the offending part."""
 
-  def __init__(self, value):
+  def __init__(self, value: object) -> None:
     super().__init__(f"{type(value).__name__} is not a plain value")
     self.value = value
 
 
-def key(value, *, contents=False, _depth=0):
+def key(value: Any, *, contents: bool = False, _depth: int = 0) -> Hashable:
   """A hashable key for a plain value; raises `NotPlain` for anything else.
 
   Plain: None, bool, int, float, complex, str, bytes, torch/NumPy dtypes, torch.device, enum
@@ -62,7 +65,7 @@ def key(value, *, contents=False, _depth=0):
 _MAX_DEPTH = 12  # nesting followed (an object that refers to itself is not plain)
 
 
-def _contents(value, inner):
+def _contents(value: Any, inner: Callable[[object], Hashable]) -> tuple:
   """The key of a configuration object's contents (see `key`), or `NotPlain`."""
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     return tuple((f.name, inner(getattr(value, f.name))) for f in dataclasses.fields(value))
@@ -76,7 +79,7 @@ def _contents(value, inner):
   return tuple(sorted((name, inner(v)) for name, v in state.items()))
 
 
-def is_plain(value):
+def is_plain(value: object) -> bool:
   """Whether `key(value)` succeeds.
 
   Example:
@@ -90,7 +93,7 @@ def is_plain(value):
   return True
 
 
-def static_key(value):
+def static_key(value: object) -> Hashable:
   """The cache key of a static (non-tensor) argument: its plain key, else the value itself when
   it is hashable (compared by its own `==`), else, for a NumPy array, its bytes. Raises
   `NotPlain` for an unhashable value.
@@ -112,7 +115,7 @@ def static_key(value):
   return (type(value), value)
 
 
-def unhashable_error(caller, path, value):
+def unhashable_error(caller: str, path: str, value: object) -> errors.BadArgumentError:
   """The error for a static argument that cannot key the trace cache.
 
   Example:

@@ -6,6 +6,8 @@ conditional's branch is its own computation, run only once the cotangents exist,
 when it returns. Bridged calls with a policy, bridged calls in bridged code and torch's
 checkpoint inside bridged code all put their backward there.
 """
+from __future__ import annotations
+
 import contextlib
 from typing import Any, Callable, Iterator
 
@@ -55,18 +57,18 @@ def sequenced(fn: Callable) -> Callable:
   jax = runtime.jax_module()
 
   @jax.custom_vjp
-  def call(*arrays):
+  def call(*arrays: Any) -> Any:
     return fn(*arrays)
 
-  def forward(*arrays):
+  def forward(*arrays: Any) -> Any:
     return jax.vjp(fn, *arrays)
 
-  def backward(vjp, cotangent):
+  def backward(vjp: Any, cotangent: Any) -> Any:
     leaves, tree = jax.tree.flatten(vjp)
     cts, ct_tree = jax.tree.flatten(cotangent)
     inexact = [i for i, c in enumerate(cts) if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact)]
 
-    def run(r, c):  # the float0 cotangents of integer outputs stay outside the conditional
+    def run(r: list, c: list) -> Any:  # the float0 cotangents of integer outputs stay outside the conditional
       full = list(cts)
       for i, value in zip(inexact, c):
         full[i] = value
@@ -97,7 +99,7 @@ def sequenced_call(fn: Callable, *arrays: Any) -> Any:
   closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*arrays)
   count, tree = len(arrays), jax.tree.structure(shapes)
 
-  def evaluate(*values):
+  def evaluate(*values: Any) -> Any:
     inputs, consts = values[:count], list(values[count:])
     return jax.tree.unflatten(tree, jaxpr_private.jaxpr_function(closed.jaxpr, consts)(
         *jax.tree.leaves(inputs)))

@@ -4,12 +4,19 @@ torch_xla tensors cannot hold JAX key types, so bridged calls take their key as 
 tensor: fresh from torch_xla's generator each call, derived from a user's seed, or a constant for
 code that never draws random numbers.
 """
+from __future__ import annotations
+
 import functools
+import types
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+  import jax as jax_types
 
-def key_from_data(jax, key_data):
+
+def key_from_data(jax: types.ModuleType, key_data: jax_types.Array) -> jax_types.Array:
   """The JAX key (threefry) whose key data is the int32[2] array `key_data`.
 
   Example:
@@ -20,7 +27,7 @@ def key_from_data(jax, key_data):
   return jax.random.wrap_key_data(jax.lax.bitcast_convert_type(key_data, jax.numpy.uint32))
 
 
-def data_from_key(jax, key):
+def data_from_key(jax: types.ModuleType, key: jax_types.Array) -> jax_types.Array:
   """The int32[2] key data of a JAX key: what `key_from_data` takes.
 
   Example:
@@ -31,7 +38,7 @@ def data_from_key(jax, key):
   return jax.lax.bitcast_convert_type(jax.random.key_data(key), jax.numpy.int32)
 
 
-def key_data(seed, device):
+def key_data(seed: int | torch.Tensor | None, device: torch.device | str) -> torch.Tensor:
   """int32[2] key data on `device`: fresh from torch_xla's RNG when `seed` is None (reproducible
   under `torch_xla.manual_seed`), else derived from the int or integer tensor `seed`.
 
@@ -48,7 +55,7 @@ def key_data(seed, device):
 
 
 @functools.lru_cache(maxsize=None)
-def constant_key_data(device):
+def constant_key_data(device: torch.device) -> torch.Tensor:
   """All-zero key data on `device`, made once: the key of code that draws no random numbers.
 
   Copied from the host, so it is device data from the start: made on the device it would be a

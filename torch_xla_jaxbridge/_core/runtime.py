@@ -4,18 +4,25 @@ torch_xla must create its PJRT client before JAX touches an accelerator, or the 
 the device. Everything in the package imports JAX through `jax_module()`, and with it torchax,
 keeping the process as plain torch_xla leaves it (`process_state_kept`).
 """
+from __future__ import annotations
+
 import contextlib
 import importlib.util
 import os
 import random
+import types
+from typing import Any, Iterator
 
 from torch_xla_jaxbridge._compat import torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import threads
 
+# A JAX pytree: tuples, lists, dicts (and registered nodes) of leaves, nested; any leaf type.
+PyTree = Any
+
 _ACCELERATOR_HINTS = ("PJRT_DEVICE", "TPU_NUM_DEVICES", "GPU_NUM_DEVICES", "NEURON_RT_VISIBLE_CORES")
 
 
-def default_to_cpu():
+def default_to_cpu() -> None:
   """Sets `PJRT_DEVICE=CPU` when the user chose no device and no TPU runtime is installed.
 
   Example:
@@ -28,7 +35,7 @@ def default_to_cpu():
 
 
 @threads.once
-def jax_module():
+def jax_module() -> types.ModuleType:
   """Returns the `jax` module, imported after torch_xla's PJRT client exists.
 
   Example:
@@ -45,7 +52,7 @@ def jax_module():
 
 
 @contextlib.contextmanager
-def process_state_kept():
+def process_state_kept() -> Iterator[None]:
   """Inside the block JAX and torchax may be imported and set up; after it, what they change in
   the process is as before: NumPy's and Python's global random streams (importing JAX draws from
   NumPy's), environment variables (JAX's backend and torchax set some), torch's fast path for
@@ -77,7 +84,7 @@ def process_state_kept():
 
 
 @threads.once
-def lowering_platform():
+def lowering_platform() -> str:
   """The JAX platform name that matches torch_xla's device: 'cpu', 'tpu', 'cuda' or 'neuron'.
 
   Example:

@@ -5,8 +5,10 @@ weight's gradient is a sum over the batch); FSDP wants it sharded as the paramet
 calls, layer stacks and optimizers read their inputs' shardings and give them to what they
 compute for those inputs.
 """
+from __future__ import annotations
+
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -24,7 +26,7 @@ def spmd_enabled() -> bool:
   return os.environ.get("XLA_USE_SPMD", "").upper() in ("ON", "1", "YES", "TRUE", "Y")
 
 
-def shardings_of(tensors: Sequence[torch.Tensor]) -> Optional[tuple]:
+def shardings_of(tensors: Sequence[torch.Tensor]) -> tuple | None:
   """Each XLA tensor's torch_xla `OpSharding` (None where it has none, or for a tensor traced inside
   bridged code), or None when SPMD is off or no tensor is sharded: what `shard_like` gives the
   gradients.
@@ -36,11 +38,12 @@ def shardings_of(tensors: Sequence[torch.Tensor]) -> Optional[tuple]:
   if not spmd_enabled():
     return None
   get = torch_xla_private.op_sharding_of
-  found = tuple(get(t) if t.is_xla else None for t in tensors)  # traced ones have none yet
+  # traced ones have none yet (is_xla: not in torch's stubs)
+  found = tuple(get(t) if t.is_xla else None for t in tensors)  # type: ignore[attr-defined]
   return found if any(s is not None for s in found) else None
 
 
-def shard_like(tensors: Sequence[Optional[torch.Tensor]], shardings: Optional[Sequence]) -> None:
+def shard_like(tensors: Sequence[torch.Tensor | None], shardings: Sequence | None) -> None:
   """Annotates each XLA tensor with the matching sharding from `shardings_of` (in place).
 
   Example:

@@ -5,15 +5,28 @@ is set per trace, so one trace runs at a time (`TRACING`, re-entrant for traces 
 calls that find their signature in the cache do not wait. One-time set-up (pytree registrations,
 the environment, kernels) runs once whichever thread comes first (`once`).
 """
+from __future__ import annotations
+
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, Protocol, TypeVar, cast
+
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
 
 TRACING = threading.RLock()
 
 
-def once(fn: Callable[[], Any]) -> Callable[[], Any]:
+class Once(Protocol[_T_co]):
+  """What `once` returns: a function of no arguments, and `done()`."""
+
+  def __call__(self) -> _T_co: ...
+
+  def done(self) -> bool: ...
+
+
+def once(fn: Callable[[], _T]) -> Once[_T]:
   """`fn()` run once and its result kept; a caller that arrives while the first runs it waits.
   `wrapper.done()` says whether it has run.
 
@@ -24,18 +37,18 @@ def once(fn: Callable[[], Any]) -> Callable[[], Any]:
     (1, 1, True)
   """
   lock = threading.Lock()
-  result = []
+  result: list[_T] = []
 
   @functools.wraps(fn)
-  def wrapper():
+  def wrapper() -> _T:
     if not result:
       with lock:
         if not result:
           result.append(fn())
     return result[0]
 
-  wrapper.done = lambda: bool(result)
-  return wrapper
+  setattr(wrapper, "done", lambda: bool(result))
+  return cast(Once[_T], wrapper)
 
 
 class Switch:

@@ -9,10 +9,18 @@ floats on one side. Bridged code is traced in JAX's 64-bit mode, so int64 and fl
 where a JAX function converts torch code in 32-bit mode (`jaxify` in the user's JAX), a 64-bit
 dtype stays its 32-bit form, as JAX has it.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
 import torch
 
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import dtypes, runtime
+from torch_xla_jaxbridge._core.runtime import PyTree
+
+if TYPE_CHECKING:
+  from torchax.tensor import Environment
 
 _META = torch.device("meta")
 _EXPECTED: dict = {}  # (op, argument signature) -> torch's result dtypes, or None: not known
@@ -23,7 +31,7 @@ _FACTORIES = frozenset([torch.arange, torch.empty, torch.eye, torch.full, torch.
                         torch.tensor, torch.zeros])
 
 
-def dispatcher(env):
+def dispatcher(env: Environment) -> Callable[..., Any]:
   """A dispatch wrapper for `env` (`torchax_private.wrap_dispatch`): torchax's conversion of each
   op; for an aten op or a tensor factory, each tensor result cast to the dtype torch gives.
 
@@ -33,7 +41,8 @@ def dispatcher(env):
     >>> bridge(lambda t: torch.topk(t, 2).indices)(x).dtype
     torch.int64
   """
-  def dispatch_with_torch_dtypes(dispatch, func, types, args, kwargs):
+  def dispatch_with_torch_dtypes(dispatch: Callable, func: Any, types: Any, args: Sequence,
+                                 kwargs: dict | None) -> Any:
     out = dispatch(func, types, args, kwargs)
     if not (torch_private.is_op(func) or func in _FACTORIES):
       return out
@@ -49,7 +58,7 @@ def dispatcher(env):
   return dispatch_with_torch_dtypes
 
 
-def _signature(value):
+def _signature(value: object) -> object:
   """What torch's result dtypes can depend on: each tensor's dtype and whether it is 0-d (type
   promotion treats those as scalars), each Python number's type, every other value itself."""
   if isinstance(value, torch.Tensor):
@@ -63,7 +72,7 @@ def _signature(value):
   return value
 
 
-def _meta_dtypes(func, args, kwargs):
+def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | None:
   """The dtypes of torch's results of `func` for these arguments, or None where torch's meta
   kernel cannot say (data-dependent shapes, an op without one)."""
   jax = runtime.jax_module()
@@ -81,11 +90,11 @@ def _meta_dtypes(func, args, kwargs):
           for t in jax.tree.leaves(result, is_leaf=is_tensor)]
 
 
-def _as_meta(tensor):
+def _as_meta(tensor: torch.Tensor) -> torch.Tensor:
   return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=_META)
 
 
-def _differs_from_torch(got, expected):
+def _differs_from_torch(got: torch.dtype, expected: torch.dtype) -> bool:
   """Whether a result of dtype `got` is one torch (`expected`) would not give: an integer or bool
   dtype other than torch's, or 64-bit floats on one side only. Between 16- and 32-bit floats
   torch_xla has rules of its own (a bfloat16 layer norm with float32 weights gives float32, as
@@ -96,7 +105,7 @@ def _differs_from_torch(got, expected):
   return not (expected.is_floating_point or expected.is_complex) or got in wide or expected in wide
 
 
-def _cast(env, out, expected):
+def _cast(env: Environment, out: PyTree, expected: list) -> PyTree:
   jax = runtime.jax_module()
   is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
   leaves, treedef = jax.tree.flatten(out, is_leaf=is_tensor)
@@ -107,7 +116,7 @@ def _cast(env, out, expected):
   return treedef.unflatten(cast)
 
 
-def _to(env, tensor, dtype):
+def _to(env: Environment, tensor: Any, dtype: torch.dtype) -> Any:
   if not hasattr(tensor, "jax") or not _differs_from_torch(tensor.dtype, dtype):
     return tensor  # a view keeps its base's dtype
   jax = runtime.jax_module()

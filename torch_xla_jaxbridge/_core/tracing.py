@@ -14,25 +14,35 @@ can write them back. Features plug in without this module knowing them:
 
 This module imports no feature module; features import it and register themselves.
 """
+from __future__ import annotations
+
 import contextlib
 import sys
 import threading
-from typing import Callable
+import types
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeGuard
 
 import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads, torch_dtypes
+from torch_xla_jaxbridge._core.runtime import PyTree
 
-_OP_OVERRIDES = {}
-_DISPATCH_WRAPPERS: list = []
-_TRACE_CONTEXTS = []
-_TRACE_KEYS = {}
+if TYPE_CHECKING:
+  import jax as jax_types
+  import torchax
+
+_OP_OVERRIDES: dict[Any, Callable] = {}
+_DISPATCH_WRAPPERS: list[Callable] = []
+_TRACE_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager]] = []
+_TRACE_KEYS: dict[str, Callable[[], object]] = {}
 _SCOPE = threading.local()
+# `traced_arrays`'s rebuild: new arrays -> (the pytree with them as torchax tensors, those tensors)
+Rebuild = Callable[[Sequence[Any]], tuple[PyTree, list]]
 
 
-def register_op_override(op, impl: Callable) -> None:
+def register_op_override(op: object, impl: Callable) -> None:
   """Makes bridged code run `impl` (on torchax tensors) for the torch op or function `op`.
 
   Example (what `overrides` does at import; registering it again changes nothing):
@@ -104,12 +114,12 @@ def describe_key_change(old: tuple, new: tuple) -> str:
                    if before.get(name) != value)
 
 
-def _plain_tensor_used(tensor):
+def _plain_tensor_used(tensor: torch.Tensor) -> None:
   raise diagnostics.PlainTensorUsed(tuple(tensor.shape))
 
 
 @threads.once
-def environment():
+def environment() -> torchax.tensor.Environment:
   """The torchax environment bridged code runs in (created on first use).
 
   Its tensors report the XLA device as their `device`, as in plain torch_xla. New tensors
@@ -137,7 +147,7 @@ def environment():
   return env
 
 
-def torchax_tensor_type():
+def torchax_tensor_type() -> type[torchax.tensor.Tensor] | None:
   """torchax's tensor class, or None while torchax is not imported (then no tensor is one).
 
   Example:
@@ -147,7 +157,7 @@ def torchax_tensor_type():
   return getattr(sys.modules.get("torchax.tensor"), "Tensor", None)
 
 
-def is_traced(value) -> bool:
+def is_traced(value: object) -> TypeGuard[torchax.tensor.Tensor]:
   """Whether `value` is a tensor of torch code being traced (a torchax tensor).
 
   Example:
@@ -158,7 +168,7 @@ def is_traced(value) -> bool:
   return tensor is not None and isinstance(value, tensor)
 
 
-def to_jax(tree):
+def to_jax(tree: PyTree) -> PyTree:
   """`tree` with each torchax tensor replaced by its JAX array; other leaves unchanged.
 
   Example:
@@ -170,7 +180,7 @@ def to_jax(tree):
                       is_leaf=lambda t: isinstance(t, torch.Tensor))
 
 
-def to_torchax(tree):
+def to_torchax(tree: PyTree) -> PyTree:
   """`tree` with each JAX array wrapped as a torchax tensor of the bridge environment.
 
   Example:
@@ -185,7 +195,7 @@ def to_torchax(tree):
       lambda a: torchax.tensor.Tensor(a, env) if isinstance(a, jax.Array) else a, tree)
 
 
-def traced_arrays(tree):
+def traced_arrays(tree: PyTree) -> tuple[list[torchax.tensor.Tensor], Rebuild]:
   """`(tensors, rebuild)` for a pytree of torch values inside a trace: `tensors` are its traced
   tensors, and `rebuild(arrays)` gives the pytree with new torchax tensors of `arrays` in their
   places, and those new tensors. Runs torch code as a function of arrays (`jax.checkpoint`).
@@ -201,7 +211,7 @@ def traced_arrays(tree):
   leaves, treedef = jax.tree.flatten(tree)
   positions = [i for i, leaf in enumerate(leaves) if is_traced(leaf)]
 
-  def rebuild(arrays):
+  def rebuild(arrays: Sequence[jax_types.Array]) -> tuple[PyTree, list[torchax.tensor.Tensor]]:
     full, new = list(leaves), to_torchax(list(arrays))
     for position, tensor in zip(positions, new):
       full[position] = tensor
@@ -222,7 +232,7 @@ def scoped_cache(name: str) -> dict:
 
 
 @contextlib.contextmanager
-def _new_scope():
+def _new_scope() -> Iterator[None]:
   saved = getattr(_SCOPE, "caches", None)
   _SCOPE.caches = {}
   try:
@@ -232,7 +242,7 @@ def _new_scope():
 
 
 @contextlib.contextmanager
-def _flag(name):
+def _flag(name: str) -> Iterator[None]:
   saved = getattr(_SCOPE, name, False)
   setattr(_SCOPE, name, True)
   try:
@@ -241,7 +251,7 @@ def _flag(name):
     setattr(_SCOPE, name, saved)
 
 
-def _with_thread_key(jax):
+def _with_thread_key(jax: types.ModuleType) -> torchax.tensor.Environment:
   """The environment, with this thread's default random key made: torchax's properties are per
   thread and made on first use, which inside a trace would keep a traced value. The same for
   torchax's own global environment, which code that converts through torchax itself uses (torch_xla's
@@ -261,7 +271,7 @@ def _with_thread_key(jax):
 
 
 @contextlib.contextmanager
-def torch_code():
+def torch_code() -> Iterator[None]:
   """Inside the block, torch ops on torchax tensors are traced as `run_torch` traces them (the
   environment, every registered trace context): for torch code that a JAX rule runs, such as an
   autograd Function's backward inside a `custom_vjp`, or its forward traced again for remat.
@@ -281,7 +291,7 @@ def torch_code():
 
 
 @contextlib.contextmanager
-def _entered(jax, env):
+def _entered(jax: types.ModuleType, env: torchax.tensor.Environment) -> Iterator[None]:
   """What every `run_torch` call enters, nested ones included, around the torch code it runs."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(threads.TRACING)
@@ -295,7 +305,8 @@ def _entered(jax, env):
     yield
 
 
-def run_torch(fn, key_data, args, kwargs, *, fn_name):
+def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwargs: PyTree, *,
+              fn_name: str) -> tuple[PyTree, dict[int, jax_types.Array], bool]:
   """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
 
   Returns `(outputs, mutated, drew_random)`: outputs with JAX arrays for tensors; a dict from the
@@ -314,7 +325,8 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
 
   env = _with_thread_key(jax)
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  tensors = {}  # one torchax tensor per array: an in-place update through one place shows in all
+  # one torchax tensor per array: an in-place update through one place shows in all
+  tensors: dict[int, torchax.tensor.Tensor] = {}
   wrapped = [tensors.setdefault(id(x), torchax.tensor.Tensor(x, env))
              if isinstance(x, jax.Array) else x for x in leaves]
   t_args, t_kwargs = treedef.unflatten(wrapped)
@@ -336,10 +348,10 @@ def run_torch(fn, key_data, args, kwargs, *, fn_name):
   return _unwrap(jax, outputs, fn_name), mutated, drew_random
 
 
-def _unwrap(jax, outputs, fn_name):
+def _unwrap(jax: types.ModuleType, outputs: PyTree, fn_name: str) -> PyTree:
   import torchax.tensor
 
-  def unwrap(x):
+  def unwrap(x: object) -> object:
     if isinstance(x, torchax.tensor.Tensor):
       return x.jax()
     if isinstance(x, torchax.tensor.View):

@@ -1,6 +1,8 @@
 """`bridge`, `assume_pure`: a torch function as a bridged call that falls back where it must."""
+from __future__ import annotations
+
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch_xla_jaxbridge._bridge import auto, fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
@@ -11,7 +13,7 @@ class Fallback:
   """A bridged function's way out: the call as plain LazyTensor code, with the modules the
   function reads (closure, globals, `self`) bridged one by one while it runs."""
 
-  def __init__(self, bridged: Bridged, enabled: bool):
+  def __init__(self, bridged: Bridged, enabled: bool) -> None:
     self.bridged, self.enabled = bridged, enabled
     self.outcome = fallbacks.Outcome(bridged.name, "function", lambda: bridged.traces)
 
@@ -33,8 +35,8 @@ def with_fallback(bridged: Bridged, enabled: bool) -> Bridged:
   return bridged
 
 
-def bridge(fn: Optional[Callable] = None, *, remat: remat_policies.RematArg = None,
-           name: Optional[str] = None, fallback: bool = True) -> Callable:
+def bridge(fn: Callable | None = None, *, remat: remat_policies.RematArg = None,
+           name: str | None = None, fallback: bool = True) -> Callable:
   """Decorator: the torch function is traced once per signature and runs as one graph node.
 
   The function is converted to JAX by torchax. Each call adds the forward half of `jax.vjp` to

@@ -6,9 +6,11 @@ module's own forward as plain LazyTensor code, with each of its submodules that 
 bridged in turn while it runs: the fallback is as narrow as the code that needs it, the way
 torch.compile breaks a graph and goes on.
 """
+from __future__ import annotations
+
 import dataclasses
 import weakref
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 
@@ -21,8 +23,10 @@ from torch_xla_jaxbridge._core import modules
 
 # (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
 # it, so it (with its traces) lives as long as one of them does
-_SHARED = weakref.WeakValueDictionary()
-_BRIDGES = weakref.WeakKeyDictionary()  # module -> its ModuleBridge (which holds it weakly)
+_SHARED: weakref.WeakValueDictionary[tuple, Bridged[SharedForward]] = (
+    weakref.WeakValueDictionary())
+_BRIDGES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleBridge] = (
+    weakref.WeakKeyDictionary())  # module -> its ModuleBridge (which holds it weakly)
 
 
 class SharedForward(modules.Calling):
@@ -37,7 +41,7 @@ class SharedForward(modules.Calling):
   """
   __slots__ = ("hooks",)
 
-  def __init__(self, hooks: bool):
+  def __init__(self, hooks: bool) -> None:
     super().__init__()
     self.hooks = hooks
 
@@ -49,7 +53,7 @@ class SharedForward(modules.Calling):
 
 
 def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
-                   hooks: bool = True) -> Bridged:
+                   hooks: bool = True) -> Bridged[SharedForward]:
   """The bridged forward of `module`, shared with every structurally identical module (same
   classes, shapes and attribute values) bridged under the same remat policy, and kept while a
   caller holds it; its function is a `SharedForward`, so call it as `bridged.fn.run_for(module,
@@ -93,12 +97,13 @@ class ModuleBridge:
     torch.Size([1, 2])
   """
 
-  def __init__(self, module: torch.nn.Module, settings: Settings):
+  def __init__(self, module: torch.nn.Module, settings: Settings) -> None:
     self.module = weakref.ref(module)
     self.settings = settings
     self.state = modules.StateWalk(module)
     self.bridged = bridged = shared_bridged(module, settings.remat, settings.hooks)
-    self.checkpointed = None  # under Hugging Face gradient checkpointing, made when first used
+    # under Hugging Face gradient checkpointing, made when first used
+    self.checkpointed: Bridged[SharedForward] | None = None
     # the bridged functions whose traces the report counts; no reference back to self: a bridge
     # whose module is gone is freed at once (it is held by `_BRIDGES` only, so no cycle may
     # hold it)
@@ -107,7 +112,7 @@ class ModuleBridge:
                                     lambda: sum(b.traces for b in traced))
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self.call(args, kwargs, hf_checkpointing.requested(self.module()))
+    return self.call(args, kwargs, hf_checkpointing.requested(self._module()))
 
   def call(self, args: tuple, kwargs: dict, checkpointed: bool) -> Any:
     """The forward on `args`, `kwargs`; `checkpointed`: under Hugging Face gradient
@@ -119,7 +124,7 @@ class ModuleBridge:
       >>> bridge.call((torch.ones(1, 2, device="xla"),), {}, checkpointed=True).shape
       torch.Size([1, 2])
     """
-    module = self.module()
+    module = self._module()
     if not self.outcome.fell_back:
       bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
@@ -133,12 +138,17 @@ class ModuleBridge:
     with submodules_bridged(module, self.settings):
       return type(module).forward(module, *args, **kwargs)
 
-  def _fall_back(self, exc, arguments):
+  def _module(self) -> torch.nn.Module:
+    module = self.module()
+    assert module is not None, "a module's bridge is called through the module"
+    return module
+
+  def _fall_back(self, exc: BaseException, arguments: tuple) -> None:
     if _any_traced(arguments):  # inside bridged code: errors belong to the caller
       raise exc
     self.outcome.fall_back(exc, self.settings.fallback)
 
-  def _bridged(self, module, checkpointed):
+  def _bridged(self, module: torch.nn.Module, checkpointed: bool) -> Bridged[SharedForward]:
     remat = hf_checkpointing.remat_for(self.settings.remat, checkpointed)
     if remat == self.settings.remat:
       return self.bridged
@@ -172,16 +182,16 @@ def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
   return bridge_of(module, settings)(*args, **kwargs)
 
 
-def _is_container(module):
+def _is_container(module: torch.nn.Module) -> bool:
   """A module that is never called itself (`ModuleList`, `ModuleDict`): its children are."""
   return type(module).forward is torch.nn.Module.forward
 
 
-def _has_parameters(module):
+def _has_parameters(module: torch.nn.Module) -> bool:
   return next(module.parameters(), None) is not None
 
 
-def _bridgeable(module, prefix):
+def _bridgeable(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
   """`(path, module)` of the submodules to bridge one by one: each descendant holding
   parameters, looking through containers. Descendants too, not only children: a forward may call
   a grandchild directly (`self.model.decoder(...)`), passing over its parent."""
@@ -207,16 +217,16 @@ class bridged_while:  # noqa: N801  (a context manager, used as a function)
     False
   """
 
-  def __init__(self, pairs: list):
+  def __init__(self, pairs: list[tuple[torch.nn.Module, Settings]]) -> None:
     self.pairs = pairs
 
-  def __enter__(self):
+  def __enter__(self) -> bridged_while:
     for module, settings in self.pairs:
       module.forward = modules.BridgedForward(bridged_forward, module, settings)
       hf_checkpointing.take_over(module)
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: object) -> Literal[False]:
     for module, _ in self.pairs:
       vars(module).pop("forward", None)
       hf_checkpointing.give_back(module)
@@ -256,7 +266,7 @@ def captured_bridged(fn: Any, settings: Settings) -> bridged_while:
                         if _has_parameters(module) and "forward" not in vars(module)])
 
 
-def bridge_modules(model: torch.nn.Module, classes: Iterable[Union[str, type]], *,
+def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
                    remat: remat_policies.RematArg = None, fallback: bool = True,
                    ) -> list[str]:
   """Bridges every submodule of `model` (itself included) whose class is one of `classes`

@@ -6,7 +6,10 @@ when torch's backward reaches the call, a second node applies the saved `vjp` fu
 output cotangents (`vjp`). Inside bridged code a bridged function runs in the enclosing trace
 (`inline`).
 """
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
@@ -17,9 +20,23 @@ from torch_xla_jaxbridge._bridge import spec as spec_
 from torch_xla_jaxbridge._bridge.spec import Layout, Static, register_static_pytree
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import call, rng, runtime, tracing
+from torch_xla_jaxbridge._core.runtime import PyTree
+
+if TYPE_CHECKING:
+  import jax
+
+  from torch_xla_jaxbridge._bridge.api import Fallback
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# `(floats, others, mutated, layout)`: a call's outputs as `_invoke` and `keyed` give them
+Outputs = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor], Layout]
+Seed = int | torch.Tensor | None  # `rng_seed`
+Invoke = Callable[[torch.Tensor], Any]  # `keyed`'s: the call, given the random key data
+Arrays = Sequence["jax.Array"]
 
 
-class Bridged:
+class Bridged(Generic[_F]):
   """A torch function traced once per signature through torchax; see `bridge`.
 
   Example:
@@ -28,7 +45,8 @@ class Bridged:
     [2.0, 2.0]
   """
 
-  def __init__(self, fn, *, remat=None, name=None, lift=True):
+  def __init__(self, fn: _F, *, remat: remat_policies.RematArg = None,
+               name: str | None = None, lift: bool = True) -> None:
     self.policy = remat_policies.policy_for(remat)  # validates `remat`
     # False: `fn` is the bridge's own (a module's forward over a template module): what it holds
     # is not captured, its state comes as arguments
@@ -37,15 +55,15 @@ class Bridged:
     self.fn = fn
     self.name = call.function_name(fn, name)
     self.seeded = False  # assume_pure(add_rng_seed_argument=True) passes its own seed
-    self.draws_random = None  # unknown until traced; then whether any trace drew random numbers
+    self.draws_random: bool | None = None  # until traced; then: did any trace draw random numbers
     self.traces = 0  # how many times the torch code was traced (outside enclosing traces)
     self.x64 = True  # traced in JAX's 64-bit mode (`keyed`)
     # api.Fallback: its outcome, and the call when the code cannot be bridged;
     # None: the error propagates (to a caller that decides, e.g. auto.ModuleBridge)
-    self.fallback = None
+    self.fallback: Fallback | None = None
     functools.update_wrapper(self, fn, updated=())
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
     register_static_pytree()
     if self.seeded and "rng_seed" not in kwargs:
       raise errors.MissingSeedError(
@@ -58,15 +76,15 @@ class Bridged:
       return inline.run_inline(self, args, kwargs, seed)
     if self.fallback is None:
       return self._bridged_call(args, kwargs, seed)
-    if self.fallback.outcome.fell_back:
-      return self.fallback.run(args, kwargs)
+    fallback = self.fallback
+    if fallback.outcome.fell_back:
+      return fallback.run(args, kwargs)
     ran, outputs = rollback.attempt(lambda: self._bridged_call(args, kwargs, seed),
                                     lambda: rollback.region_of(self.fn, args, kwargs),
-                                    lambda e: self.fallback.outcome.fall_back(
-                                        e, self.fallback.enabled))
-    return outputs if ran else self.fallback.run(args, kwargs)
+                                    lambda e: fallback.outcome.fall_back(e, fallback.enabled))
+    return outputs if ran else fallback.run(args, kwargs)
 
-  def _bridged_call(self, args, kwargs, seed):
+  def _bridged_call(self, args: tuple, kwargs: dict, seed: Seed) -> Any:
     grad_on = torch.is_grad_enabled()
     call_ = spec_.prepare(self.fn, self.name, args, kwargs,
                           lambda t: grad_on and t.requires_grad, lift=self.lift)
@@ -80,7 +98,7 @@ class Bridged:
       stateful.write_back(call_.boxed, after, device)
     return stateful.unpack_outputs(outputs, device) if layout.packed else outputs
 
-  def keyed(self, invoke, device, seed=None):
+  def keyed(self, invoke: Invoke, device: torch.device, seed: Seed = None) -> Any:
     """`invoke(key_data)` with the random key this call needs. Code that never draws random
     numbers gets a constant key (drawing one costs host time, and a first call with a fresh key
     would make a first-step program that differs from the rest); when the trace `invoke` makes
@@ -98,7 +116,7 @@ class Bridged:
       self.x64 = False
       return self._keyed(invoke, device, seed)
 
-  def _keyed(self, invoke, device, seed):
+  def _keyed(self, invoke: Invoke, device: torch.device, seed: Seed) -> Any:
     fresh = seed is not None or bool(self.draws_random)
     with call.in_x64(self.x64):
       result = invoke(rng.key_data(seed, device) if fresh else rng.constant_key_data(device))
@@ -106,9 +124,9 @@ class Bridged:
         result = invoke(rng.key_data(None, device))
     return result
 
-  def _invoke(self, spec, key_data, diff, other):
+  def _invoke(self, spec: spec_.Spec, key_data: torch.Tensor, diff: list, other: list) -> Outputs:
     if diff:
-      holder = []
+      holder: list = []
       floats = vjp.VjpFunction.apply(self, spec, key_data, holder, tuple(other), *diff)
       layout, others, mutated = holder[0]
       return floats, others, mutated, layout
@@ -116,7 +134,8 @@ class Bridged:
         self._plain_half, (spec, tuple(other), key_data), name=f"{self.name}_fwd")
     return floats, others, mutated, layout
 
-  def run(self, spec, diff, other, key_data):
+  def run(self, spec: spec_.Spec, diff: Arrays, other: Arrays,
+          key_data: jax.Array | None) -> tuple[list, tuple[list, list, Layout]]:
     """The traced torch function on arrays: `(floats, (others, mutated, layout))`, the output
     leaves split into floating-point ones (differentiable) and the rest."""
     jax = runtime.jax_module()
@@ -145,35 +164,37 @@ class Bridged:
     layout = Layout(out_tree, kinds, positions, stateful.has_packed(outputs))
     return floats, (others, [mutated[i] for i in positions], layout)
 
-  def _plain_half(self, spec, other, key_data):
+  def _plain_half(self, spec: spec_.Spec, other: Arrays, key_data: jax.Array) -> Outputs:
     floats, (others, mutated, layout) = self.run(spec, (), other, key_data)
     return floats, others, mutated, layout
 
-  def forward_half(self, spec, diff, other, key_data):
+  def forward_half(self, spec: spec_.Spec, diff: Arrays, other: Arrays,
+                   key_data: jax.Array) -> tuple:
     """The forward half of `jax.vjp` of `run`: outputs, and the residuals the backward needs."""
     return vjp.forward_half(lambda *d: self.run(spec, d, other, key_data), self.policy, diff)
 
-  def backward_half(self, saved, inputs, cotangents):
+  def backward_half(self, saved: tuple, inputs: Arrays, cotangents: Arrays) -> Any:
     """`vjp.backward_half`, a method so that its programs are cached with this function (and
     go when it goes), as the forward's are."""
     return vjp.backward_half(saved, inputs, cotangents)
 
 
-def _any_traced(tree):
+def _any_traced(tree: PyTree) -> bool:
   traced = tracing.torchax_tensor_type()  # None until the first trace imports torchax
   return traced is not None and any(
       isinstance(leaf, traced) for leaf in runtime.jax_module().tree.leaves(tree))
 
 
-def _device(diff, other):
+def _device(diff: list[torch.Tensor], other: list[torch.Tensor]) -> torch.device:
   for tensor in diff + other:
-    if tensor.is_xla:
+    if tensor.is_xla:  # type: ignore[attr-defined]  # torch's stubs lack is_xla
       return tensor.device
   import torch_xla
   return torch_xla.device()
 
 
-def write_back(name, tree, positions, values, diff):
+def write_back(name: str, tree: PyTree, positions: Sequence[int], values: Sequence[Any],
+               diff: Sequence[torch.Tensor]) -> None:
   """Applies the in-place updates the traced code made to its arguments, as eager torch would."""
   if not positions:
     return

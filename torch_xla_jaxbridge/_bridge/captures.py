@@ -15,10 +15,12 @@ What is not lifted (a tensor read by a helper function's own closure, reached th
 without `__dict__`, deeper than `reach.DEPTH`) is still refused with `CapturedTensorError`, which
 `hint` completes with where the search stopped.
 """
+from __future__ import annotations
+
 import itertools
 import types
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,21 +30,24 @@ from torch_xla_jaxbridge._bridge.places import ARG, KWARG
 from torch_xla_jaxbridge._bridge.reach import SELF
 from torch_xla_jaxbridge._core import modules, runtime, threads, tracing
 
+# `(where, name, kind, params, buffers, extra)`: one captured value (see `Lifted`)
+LayoutEntry = tuple[tuple, str, str, tuple[str, ...], tuple[str, ...], Any]
+
 
 class CapturedKey:
   """A lifted tensor's key in the `Lifted` pytree: read as ` (captured <name>)` in paths."""
   __slots__ = ("name",)
 
-  def __init__(self, name):
+  def __init__(self, name: str) -> None:
     self.name = name
 
-  def __str__(self):
+  def __str__(self) -> str:
     return f" (captured {self.name})"
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, CapturedKey) and other.name == self.name
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return hash(self.name)
 
 
@@ -64,11 +69,11 @@ class Lifted:
   """
   __slots__ = ("tensors", "layout")
 
-  def __init__(self, tensors, layout):
+  def __init__(self, tensors: Sequence[Any], layout: tuple[LayoutEntry, ...]) -> None:
     self.tensors = tuple(tensors)
     self.layout = layout
 
-  def names(self):
+  def names(self) -> list[str]:
     """A readable name per tensor: `w`, `self.scale`, `model.fc.weight`."""
     names = []
     for _, name, kind, params, buffers, _ in self.layout:
@@ -78,12 +83,12 @@ class Lifted:
         names.extend(f"{name}.{n}" for n in params + buffers)
     return names
 
-  def __repr__(self):
+  def __repr__(self) -> str:
     return f"Lifted({', '.join(self.names())})"
 
 
 @threads.once
-def _register_pytree():
+def _register_pytree() -> None:
   jax = runtime.jax_module()
   jax.tree_util.register_pytree_with_keys(
       Lifted, lambda l: ([(CapturedKey(n), t) for n, t in zip(l.names(), l.tensors)], l.layout),
@@ -91,11 +96,13 @@ def _register_pytree():
       flatten_func=lambda l: (l.tensors, l.layout))
 
 
-_TOKENS = weakref.WeakKeyDictionary()  # module -> (identity token, StateWalk)
+# module -> (identity token, StateWalk)
+_TOKENS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, modules.StateWalk]] = (
+    weakref.WeakKeyDictionary())
 _COUNTER = itertools.count()
 
 
-def _module_state(module):
+def _module_state(module: torch.nn.Module) -> tuple:
   entry = _TOKENS.get(module)
   if entry is None:
     entry = _TOKENS[module] = (next(_COUNTER), modules.StateWalk(module))
@@ -103,24 +110,25 @@ def _module_state(module):
   return (token,) + walk.state() + (walk.settings(),)
 
 
-def _direct(where):
+def _direct(where: tuple) -> bool:
   """Whether a place is one where captures were always read: a cell, a global, a partial's
   argument, `self` or an attribute of `self`."""
   return len(where) == 1 or (len(where) == 2 and where[0] == (SELF,))
 
 
-def _with_module_arguments(places, values, args, kwargs):
+def _with_module_arguments(places: Sequence[tuple], values: Sequence[object], args: tuple,
+                           kwargs: dict | None) -> tuple[list[tuple], list[object]]:
   """`places`, `values` and the modules passed as arguments (not already among `values`)."""
   seen = {id(value) for value in values}
-  pairs = [((ARG, i), f"args[{i}]", a) for i, a in enumerate(args)]
-  pairs += [((KWARG, k), f"kwargs[{k!r}]", v) for k, v in (kwargs or {}).items()]
-  pairs = [(((key,), name), value) for key, name, value in pairs
+  given: list[tuple[tuple, str, object]] = [((ARG, i), f"args[{i}]", a) for i, a in enumerate(args)]
+  given += [((KWARG, k), f"kwargs[{k!r}]", v) for k, v in (kwargs or {}).items()]
+  pairs = [(((key,), name), value) for key, name, value in given
            if isinstance(value, torch.nn.Module) and id(value) not in seen]
   return list(places) + [p for p, _ in pairs], list(values) + [v for _, v in pairs]
 
 
 def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
-            kwargs: Optional[dict] = None) -> Optional[Lifted]:
+            kwargs: dict | None = None) -> Lifted | None:
   """The tensors and modules `fn` reads from its closure, its globals, `self`, its partial's
   arguments and the objects they hold (`reach.find`), and the modules among `args` / `kwargs`,
   as they are now; None when there are none. With `xla`, a tensor found at a cell, global,
@@ -139,7 +147,9 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
     return None
   _register_pytree()
   # the plain values the code reads, in the layout (so in the cache key): a new value retraces
-  tensors, layout = [], [((), name, "value", (), (), (kind, value)) for name, kind, value in plain]
+  tensors: list[torch.Tensor] = []
+  layout: list[LayoutEntry] = [((), name, "value", (), (), (kind, value))
+                               for name, kind, value in plain]
   for (where, name), value in zip(places, values):
     if isinstance(value, torch.Tensor):
       tensors.append(value)
@@ -151,15 +161,17 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
       layout.append((where, name, "module", tuple(params), tuple(buffers),
                      (token, training, settings)))
   lifted = Lifted(tensors, tuple(layout))
-  if xla and not all([t.is_xla for t in tensors]):
+  if xla and not all([t.is_xla for t in tensors]):  # type: ignore[attr-defined]  # stubs
     return _on_xla(lifted, fn_name)
   return lifted
 
 
-def _on_xla(lifted, fn_name):
+def _on_xla(lifted: Lifted, fn_name: str) -> Lifted | None:
   """`lifted` less the tensors not on the XLA device found below a cell, global, partial
   argument or attribute of `self` (`hint` names them); one found there is an error naming it."""
-  tensors, layout, at = [], [], 0
+  tensors: list[torch.Tensor] = []
+  layout: list[LayoutEntry] = []
+  at = 0
   for entry in lifted.layout:
     where, _, kind, params, buffers, _ = entry
     own = lifted.tensors[at:at + (1 if kind == "tensor" else len(params) + len(buffers))]
@@ -167,14 +179,14 @@ def _on_xla(lifted, fn_name):
     if kind != "tensor" or own[0].is_xla or _direct(where):
       tensors.extend(own)
       layout.append(entry)
-  lifted = Lifted(tensors, tuple(layout)) if layout else None
-  for name, tensor in zip(lifted.names(), lifted.tensors) if lifted else ():
+  kept = Lifted(tensors, tuple(layout)) if layout else None
+  for name, tensor in zip(kept.names(), kept.tensors) if kept else ():
     if not tensor.is_xla:
       raise errors.BadArgumentError(
           f"{fn_name} reads `{name}` (a {tensor.device.type} tensor of shape "
           f"{tuple(tensor.shape)}) from outside its arguments; bridged code runs on XLA "
           f"tensors. Move it with `.to('xla')` (a module: `module.to('xla')`).")
-  return lifted
+  return kept
 
 
 def hint(fn: Callable) -> str:
@@ -190,14 +202,15 @@ def hint(fn: Callable) -> str:
   stops = reach.notes(fn) + [
       f"`{name}` (a {value.device.type} tensor, not lifted: move it with `.to('xla')`)"
       for (where, name), value in zip(*reach.find(fn))
-      if isinstance(value, torch.Tensor) and not value.is_xla and not _direct(where)]
+      if isinstance(value, torch.Tensor)
+      and not value.is_xla and not _direct(where)]  # type: ignore[attr-defined]  # stubs
   if not stops:
     return ""
   more = f"; and {len(stops) - 5} more" if len(stops) > 5 else ""
   return f" The search for captured tensors stopped at {'; '.join(stops[:5])}{more}."
 
 
-def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Optional[Lifted]:
+def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Lifted | None:
   """`collect(fn, fn_name)` for a call of `fn` on `arguments`; None when the arguments are traced
   (a call inside bridged code: `fn` reads the enclosing trace's tensors where they are).
 
@@ -212,7 +225,7 @@ def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Optional[
   return collect(fn, fn_name)
 
 
-def with_captures(fn: Callable, fn_name: str, args: tuple, kwargs: Optional[dict] = None, *,
+def with_captures(fn: Callable, fn_name: str, args: tuple, kwargs: dict | None = None, *,
                   xla: bool = True) -> tuple:
   """`args` with what `fn` captures and the modules among its arguments (`collect`) put first, or
   `args` when there are none.
@@ -239,7 +252,7 @@ def calling(fn: Callable, args: tuple) -> Callable:
   return lambda lifted, *a, **k: _call_with(fn, lifted, a, k)
 
 
-def call_with(fn: Callable, lifted: Optional[Lifted], args: tuple, kwargs: dict) -> object:
+def call_with(fn: Callable, lifted: Lifted | None, args: tuple, kwargs: dict) -> object:
   """`fn(*args, **kwargs)` with `lifted` (what `collect(fn, ...)` returned, its tensors now
   traced) put where `fn` reads them; a plain call when `lifted` is None. For a bridged function
   that runs `fn` itself and passes `fn`'s captures as an argument of its own.
@@ -254,10 +267,10 @@ def call_with(fn: Callable, lifted: Optional[Lifted], args: tuple, kwargs: dict)
   return fn(*args, **kwargs) if lifted is None else _call_with(fn, lifted, args, kwargs)
 
 
-def _call_with(fn, lifted, args, kwargs):
+def _call_with(fn: Callable, lifted: Lifted, args: tuple, kwargs: dict) -> object:
   scene = places.Scene(fn, args, kwargs)
   tensors = iter(lifted.tensors)
-  pending = {}  # where -> (name, traced tensor)
+  pending: dict[tuple, tuple[str, Any]] = {}  # where -> (name, traced tensor)
   try:
     for where, name, kind, params, buffers, _ in lifted.layout:
       if kind == "tensor":
@@ -280,7 +293,7 @@ def _call_with(fn, lifted, args, kwargs):
     scene.restore()
 
 
-def _check_not_reassigned(fn, placed):
+def _check_not_reassigned(fn: Callable, placed: list[places.Placed]) -> None:
   for name, table, key, _, value in placed:
     try:
       now = table.cell_contents if isinstance(table, types.CellType) else table[key]
@@ -294,7 +307,7 @@ def _check_not_reassigned(fn, placed):
           f"(`{name}.copy_(new)`) or return the new value and assign it after the call.")
 
 
-def read_capture(fn: Callable, where: tuple) -> object:
+def read_capture(fn: Callable, where: tuple) -> Any:
   """The value `fn` reads at the place `where` of a `Lifted` layout entry (a closure cell, a
   global, `self`, a partial's argument, and the attributes and items below it).
 
@@ -304,4 +317,4 @@ def read_capture(fn: Callable, where: tuple) -> object:
     >>> read_capture(f, collect(f, "f", xla=False).layout[0][0]) is w
     True
   """
-  return reach.read(fn, where)
+  return places.read(fn, where)

@@ -1,17 +1,22 @@
 """`checkpoint`: upstream `torch_xla.utils.checkpoint.checkpoint`'s call as one bridged call whose
 backward computes the function again (`jax.checkpoint` under the "full" remat policy)."""
+from __future__ import annotations
+
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from torch_xla_jaxbridge._bridge import captures
+from torch_xla_jaxbridge._bridge.captures import Lifted
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
 
 # function (a method: its instance) -> {(method function or None, remat): Bridged}; the bridged
 # function holds the function weakly, so a module dropped by the program takes its trace along
-_BY_FUNCTION: Any = weakref.WeakKeyDictionary()
-_UNREFERABLE: dict = {}  # functions that take no weak reference (builtins), kept for good
+_BY_FUNCTION: weakref.WeakKeyDictionary[Any, dict[Hashable, Bridged[_Recompute]]] = (
+    weakref.WeakKeyDictionary())
+_UNREFERABLE: dict[Any, dict[Hashable, Bridged[_Recompute]]] = {}
+# ^ functions that take no weak reference (builtins), kept for good
 
 
 def checkpoint(function: Callable, *args: Any, use_reentrant: bool = True,
@@ -44,7 +49,9 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool = True,
   return bridged(args, kwargs, captures.collect_for_call(function, bridged.name, (args, kwargs)))
 
 
-def _bridged(function, remat):
+def _bridged(function: Callable, remat: remat_policies.RematArg) -> Bridged[_Recompute]:
+  ref: Callable[[], Callable | None] | None
+  key: tuple[Callable | None, remat_policies.RematArg]
   if inspect.ismethod(function):
     owner, key, ref = function.__self__, (function.__func__, remat), weakref.WeakMethod(function)
   else:
@@ -65,8 +72,10 @@ class _Recompute:
   """The bridged torch function: the checkpointed function (held weakly) on the traced
   arguments, with its captured tensors (passed as `lifted`) put where it reads them."""
 
-  def __init__(self, ref):
+  def __init__(self, ref: Callable[[], Callable | None]) -> None:
     self.ref = ref
 
-  def __call__(self, args, kwargs, lifted):
-    return captures.call_with(self.ref(), lifted, args, kwargs)
+  def __call__(self, args: tuple, kwargs: dict, lifted: Lifted | None) -> Any:
+    function = self.ref()
+    assert function is not None, "called by `checkpoint`, which holds the function"
+    return captures.call_with(function, lifted, args, kwargs)

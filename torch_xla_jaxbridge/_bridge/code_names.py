@@ -4,6 +4,8 @@ attribute by, through its own code, nested code, and the methods and properties 
 The walk for captured values (`reach`) follows an object's attributes only by these names, so a
 trainer's optimizer, data loaders and logger are not searched unless the code names them.
 """
+from __future__ import annotations
+
 import dis
 import functools
 import types
@@ -54,7 +56,7 @@ def function_names(value: object) -> frozenset:
     value = value.fget
   elif isinstance(value, (staticmethod, classmethod)):
     value = value.__func__
-  names = frozenset()
+  names: frozenset[str] = frozenset()
   while isinstance(value, types.FunctionType):
     names |= code_names(value.__code__)
     value = getattr(value, "__wrapped__", None)

@@ -7,17 +7,19 @@ instead, as plain torch_xla would run it, while the modules inside it are bridge
 be (`auto`). Each fallback is said once (a `FallbackWarning` naming the region, the cause and the
 line) and kept in the report `jb.bridge_report()`. With `fallback=False` the error is raised.
 """
+from __future__ import annotations
+
 import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import diagnostics
 
 _LOCK = threading.Lock()
-_UNITS: "weakref.WeakValueDictionary[int, Outcome]" = weakref.WeakValueDictionary()
+_UNITS: weakref.WeakValueDictionary[int, Outcome] = weakref.WeakValueDictionary()
 _COUNTER = iter(range(1 << 62))
 
 
@@ -43,7 +45,7 @@ class Outcome:
     ('bridged', False)
   """
 
-  def __init__(self, name: str, kind: str, traces=lambda: 0):
+  def __init__(self, name: str, kind: str, traces: Callable[[], int] = lambda: 0) -> None:
     self.name, self.kind, self.traces = name, kind, traces
     self.status, self.reason, self.where = "bridged", "", ""
     self.order = next(_COUNTER)
@@ -72,7 +74,7 @@ class Outcome:
           f"fallback=False raises instead.", errors.FallbackWarning, stacklevel=4)
 
 
-def _first_line(exc):
+def _first_line(exc: BaseException) -> str:
   text = str(exc).strip().splitlines()
   line = text[0] if text else ""
   return line if len(line) <= 300 else line[:297] + "..."
@@ -100,11 +102,11 @@ class BridgeReport:
     """The rows of the regions that fell back."""
     return [r for r in self.rows if r.status == "fallback"]
 
-  def row(self, name: str) -> Optional[Row]:
+  def row(self, name: str) -> Row | None:
     """The newest row named `name`, or None."""
     return next((r for r in reversed(self.rows) if r.name == name), None)
 
-  def __str__(self):
+  def __str__(self) -> str:
     width = max([len(r.name) for r in self.rows] + [6])
     lines = [f"{'region':<{width}}  {'kind':<8}{'status':<10}{'traces':>6}  reason"]
     for r in self.rows:
@@ -113,7 +115,7 @@ class BridgeReport:
     return "\n".join(lines)
 
 
-def bridge_report(since: Optional[BridgeReport] = None) -> BridgeReport:
+def bridge_report(since: BridgeReport | None = None) -> BridgeReport:
   """What runs bridged and what fell back to plain LazyTensor code, why, and how many traces
   each took: one row per live `BridgeModule`, module bridged by `jb.bridge_modules` (or bridged
   because a region around it fell back), `jb.bridge` function and `jb.train_step`, in the order

@@ -7,9 +7,11 @@ bridge) is reached; torch's checkpoint cannot run on XLA tensors. A layer the br
 the remat policy "full" when it has none of its own (`remat_for`): only the layer's inputs are
 kept for the backward, as with torch's checkpoint.
 """
+from __future__ import annotations
+
 import sys
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -18,7 +20,8 @@ from torch_xla_jaxbridge._bridge.bridging import _any_traced
 from torch_xla_jaxbridge._core import modules
 
 FUNCTION = "_gradient_checkpointing_func"  # the attribute transformers calls the layer through
-_DIRECT: Any = weakref.WeakValueDictionary()  # id(torch's function) -> its Direct, shared
+# id(torch's function) -> its Direct, shared
+_DIRECT: weakref.WeakValueDictionary[int, Direct] = weakref.WeakValueDictionary()
 
 
 def is_checkpointing_layer(module: torch.nn.Module) -> bool:
@@ -32,7 +35,7 @@ def is_checkpointing_layer(module: torch.nn.Module) -> bool:
   return layers is not None and isinstance(module, layers.GradientCheckpointingLayer)
 
 
-def requested(module: torch.nn.Module, flags: Optional[torch.nn.Module] = None) -> bool:
+def requested(module: torch.nn.Module, flags: torch.nn.Module | None = None) -> bool:
   """Whether gradient checkpointing is on for the layer `module`: transformers' test
   (`gradient_checkpointing` and `training`), read on `flags` (a `BridgeModule` around the layer,
   on which `gradient_checkpointing_enable()` sets them) or on the layer.
@@ -69,7 +72,7 @@ class Direct:
     "torch's checkpoint"
   """
 
-  def __init__(self, original: Callable):
+  def __init__(self, original: Callable) -> None:
     self.original = original
 
   def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +83,7 @@ class Direct:
     return self.original(function, *args, **kwargs)
 
 
-def _layer_of(function):
+def _layer_of(function: Any) -> torch.nn.Module | None:
   """The module whose call `function` is: transformers passes `partial(layer.__call__, **kw)`."""
   while hasattr(function, "func"):
     function = function.func
@@ -135,7 +138,7 @@ class Reclaim:
     True
   """
 
-  def __init__(self, layers: list):
+  def __init__(self, layers: list[torch.nn.Module]) -> None:
     self.layers = layers
 
   def __call__(self, model: torch.nn.Module, args: tuple) -> None:

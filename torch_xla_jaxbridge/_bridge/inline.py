@@ -4,16 +4,27 @@ Under its own remat policy the function runs in `jax.checkpoint` (its backward, 
 trace is differentiated, in a conditional XLA cannot fold into the forward); in-place updates of
 its arguments and its randomness follow the enclosing code's.
 """
+from __future__ import annotations
+
 import contextlib
+import types
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import call, recompute, runtime, tracing
+from torch_xla_jaxbridge._core.runtime import PyTree
+
+if TYPE_CHECKING:
+  import jax as jax_types
+
+  from torch_xla_jaxbridge._bridge.bridging import Bridged
 
 
-def run_inline(bridged, args, kwargs, seed=None):
+def run_inline(bridged: Bridged, args: tuple, kwargs: dict,
+               seed: int | torch.Tensor | None = None) -> PyTree:
   """The torch function run directly in the enclosing trace (called inside bridged code), in
   `jax.checkpoint` with this function's remat policy when it has one; `seed` (rng_seed) fixes
   its randomness.
@@ -41,9 +52,10 @@ def run_inline(bridged, args, kwargs, seed=None):
       return bridged.fn(*args, **kwargs)
   tensors, rebuild = tracing.traced_arrays((args, kwargs))
   outer_key = torchax_private.current_key(env)
-  found = {}  # learnt while `run` is traced: which arguments changed, whether it drew
+  # learnt while `run` is traced: which arguments changed, whether it drew
+  found: dict[str, Any] = {}
 
-  def run(*arrays):
+  def run(*arrays: jax_types.Array) -> tuple[PyTree, list]:
     (inner_args, inner_kwargs), wrapped = rebuild(arrays)
     start = key if key is not None else jax.random.fold_in(outer_key, 0x6a62)
     with env.override_property(prng=start):
@@ -63,7 +75,7 @@ def run_inline(bridged, args, kwargs, seed=None):
   return tracing.to_torchax(outputs)
 
 
-def _key_from_seed(jax, seed):
+def _key_from_seed(jax: types.ModuleType, seed: int | torch.Tensor) -> jax_types.Array:
   """The key `rng.key_data(seed)` would give, for an int or a traced integer tensor."""
   if isinstance(seed, int):
     data = jax.numpy.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], jax.numpy.uint32)

@@ -2,12 +2,15 @@
 
 Both work on shapes alone: the example arguments may be CPU or XLA tensors, and nothing runs.
 """
+from __future__ import annotations
+
 import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from torch_xla_jaxbridge._bridge import captures, vjp
+from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._bridge.module import BridgeModule
 from torch_xla_jaxbridge._bridge.spec import DIFF, OTHER, Spec, register_static_pytree
@@ -31,22 +34,22 @@ class ResidualReport:
   rows: tuple
 
   @property
-  def total_bytes(self):
+  def total_bytes(self) -> int:
     return sum(r.bytes for r in self.rows)
 
   @property
-  def device_bytes(self):
+  def device_bytes(self) -> int:
     return sum(r.bytes for r in self.rows if r.where == "device")
 
   @property
-  def host_bytes(self):
+  def host_bytes(self) -> int:
     return sum(r.bytes for r in self.rows if r.where == "host")
 
-  def names(self):
+  def names(self) -> set[str]:
     """The set of row names."""
     return {r.name for r in self.rows}
 
-  def __str__(self):
+  def __str__(self) -> str:
     width = max([len(r.name) for r in self.rows] + [8])
     lines = [f"{'residual':<{width}}  {'shape':<18}{'dtype':<10}{'bytes':>12}  where"]
     for r in self.rows:
@@ -79,7 +82,7 @@ def saved_residuals(fn: Callable, *args: Any, remat: Any = None, **kwargs: Any) 
   call = abstract_call(fn, args, kwargs, remat)
   bridged, spec, diff, other, key, paths = call
 
-  def linearized(diff, other, key):
+  def linearized(diff: list, other: list, key: Any) -> Any:
     run = lambda *d: bridged.run(spec, d, other, key)[0]  # noqa: E731
     if bridged.policy is not None:
       run = jax.checkpoint(run, policy=bridged.policy)
@@ -96,7 +99,7 @@ def saved_residuals(fn: Callable, *args: Any, remat: Any = None, **kwargs: Any) 
   producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
   named = {v: eqn.params["name"] for eqn in jaxpr.eqns if jax_private.is_checkpoint_name(eqn.primitive)
            for v in eqn.invars + eqn.outvars if hasattr(v, "count")}
-  rows = []
+  rows: list[ResidualRow] = []
   for var in residual_vars:
     aval = var.aval
     if not hasattr(var, "count"):  # a literal: a constant folded into the backward
@@ -138,7 +141,7 @@ def lower_bridged(fn: Callable, *args: Any, platform: str, remat: Any = None,
   jax = runtime.jax_module()
   bridged, spec, diff, other, key, _ = abstract_call(fn, args, kwargs, remat)
 
-  def trace(x64):
+  def trace(x64: bool) -> Any:
     with jax_private.enable_x64(x64), jax_private.gspmd_partitioner():
       return jax.jit(bridged.forward_half, static_argnums=0).trace(spec, diff, other, key)
 
@@ -157,7 +160,8 @@ def lower_bridged(fn: Callable, *args: Any, platform: str, remat: Any = None,
   return forward, backward
 
 
-def abstract_call(fn, args, kwargs, remat):
+def abstract_call(fn: Callable, args: tuple, kwargs: dict,
+                  remat: remat_policies.RematArg) -> tuple:
   """`(bridged, spec, diff avals, other avals, key aval, readable paths)` for an example call of
   `fn` (a function, module, bridged function or BridgeModule): what `saved_residuals` and
   `lower_bridged` trace.
@@ -172,10 +176,10 @@ def abstract_call(fn, args, kwargs, remat):
   if isinstance(fn, BridgeModule):
     fn = fn.wrapped
   is_module = isinstance(fn, torch.nn.Module)
-  if is_module:
+  if isinstance(fn, torch.nn.Module):
     module = fn
     params, buffers, training = modules.module_state(module)
-    call_args = ((params, buffers, training, args, kwargs), {})
+    call_args: tuple[tuple, dict] = ((params, buffers, training, args, kwargs), {})
     target = Bridged(lambda *a: modules.module_forward(module, *a),
                             remat=remat, name=type(module).__name__)
   else:
@@ -197,7 +201,7 @@ def abstract_call(fn, args, kwargs, remat):
   return target, spec, [aval(t) for t in diff], [aval(t) for t in other], key, paths
 
 
-def _path_name(path, is_module, lifted):
+def _path_name(path: tuple, is_module: bool, lifted: bool) -> str:
   jax = runtime.jax_module()
   if is_module:  # ((params, buffers, training, args, kwargs), {})
     group = ("param", "buffer", "training", "args", "kwargs")[path[1].idx]
@@ -212,22 +216,22 @@ def _path_name(path, is_module, lifted):
   return call.path_name(path)
 
 
-def _site(eqn, var):
+def _site(eqn: Any, var: Any) -> tuple:
   # not the op: remat saves a value through a `reduce_precision` the plain forward lacks
   return (_user_line(eqn.source_info), tuple(var.aval.shape), str(var.aval.dtype))
 
 
-def _named_sites(jaxpr):
+def _named_sites(jaxpr: Any) -> dict[tuple, str]:
   """Checkpoint names by the site (op, source line, shape, dtype) of the value they name."""
   producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  sites = {}
+  sites: dict[tuple, str] = {}
   for eqn in jaxpr.eqns:
     if jax_private.is_checkpoint_name(eqn.primitive) and eqn.invars[0] in producers:
       sites[_site(producers[eqn.invars[0]], eqn.invars[0])] = eqn.params["name"]
   return sites
 
 
-def _user_line(source_info):
+def _user_line(source_info: Any) -> str:
   for frame in jax_private.user_frames(source_info):
     if not diagnostics.is_library_file(frame.file_name):
       return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"

@@ -2,6 +2,10 @@
 matters, since the scan runs every layer as layers[0]: the same classes, parameters and buffers,
 and equal values of the attributes their traced forward reads (a layer index that training never
 reads may differ). The first difference that matters is an error that names it."""
+from __future__ import annotations
+
+import torch
+
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import modules
 
@@ -64,7 +68,7 @@ def refuse_read(differences: dict, reads: set, caller: str = "scan_layers") -> N
           f"{name!r} unrolled (e.g. each in its own jb.BridgeModule).")
 
 
-def _describe(layer):
+def _describe(layer: torch.nn.Module) -> dict[str, str]:
   """What must match between layers besides attributes: tensors, and each submodule's class."""
   described = {}
   for kind, items in (("parameter", layer.named_parameters()), ("buffer", layer.named_buffers())):
@@ -75,11 +79,11 @@ def _describe(layer):
   return described
 
 
-def _shape(description):
+def _shape(description: str) -> str:
   return description[description.find("("):description.find(")") + 1]
 
 
-def _attribute(module, path):
+def _attribute(module: torch.nn.Module, path: str) -> object:
   owner, _, name = path.rpartition(".")
   return getattr(module.get_submodule(owner), name, "missing")
 
@@ -96,7 +100,7 @@ def unshared(layers: list) -> None:
     ...
     torch_xla_jaxbridge.errors.BadArgumentError: StackedLayers: layers[1] 'weight' is the same parameter as layers[0] 'weight'; stacking would give each layer its own copy. Use jb.scan_layers for layers that share parameters.
   """
-  owner = {}
+  owner: dict[int, tuple[int, str]] = {}
   for i, layer in enumerate(layers):
     for name, param in layer.named_parameters():
       first = owner.setdefault(id(param), (i, name))

@@ -3,7 +3,9 @@
 Structurally identical modules (the layers of a decoder stack) share one bridged function, so
 one trace serves them all (`auto.ModuleBridge`).
 """
-from typing import Any
+from __future__ import annotations
+
+from typing import Any, Iterator
 
 import torch
 
@@ -33,7 +35,7 @@ class BridgeModule(torch.nn.Module):
   """
 
   def __init__(self, module: torch.nn.Module, *, remat: remat_policies.RematArg = None,
-               fallback: bool = True):
+               fallback: bool = True) -> None:
     super().__init__()
     if not isinstance(module, torch.nn.Module):
       raise errors.BadArgumentError(f"module: expected a torch.nn.Module, got {type(module)}.")
@@ -56,27 +58,27 @@ class BridgeModule(torch.nn.Module):
     checkpointed = hf_checkpointing.requested(self._wrapped, flags=self)
     return auto.bridge_of(self._wrapped, self._settings).call(args, kwargs, checkpointed)
 
-  def train(self, mode=True):
+  def train(self, mode: bool = True) -> BridgeModule:
     self._wrapped.train(mode)
     self.training = mode
     return self
 
-  def __getattr__(self, name):
+  def __getattr__(self, name: str) -> Any:
     try:
       return super().__getattr__(name)
     except AttributeError:
       return getattr(object.__getattribute__(self, "_wrapped"), name)
 
-  def __getitem__(self, index):
+  def __getitem__(self, index: Any) -> Any:
     return self._wrapped[index]
 
-  def __len__(self):
+  def __len__(self) -> int:
     return len(self._wrapped)
 
-  def __iter__(self):
+  def __iter__(self) -> Iterator[Any]:
     return iter(self._wrapped)
 
-  def extra_repr(self):
+  def extra_repr(self) -> str:
     return f"bridged: {type(self._wrapped).__name__}"
 
 

@@ -20,6 +20,7 @@ import functools
 import sys
 import types
 import weakref
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -38,9 +39,10 @@ _NOT_ENTERED = (type, types.FunctionType, types.BuiltinFunctionType, types.Metho
                 types.ModuleType, functools.partial, torch.nn.Module, torch.Tensor)
 _TENSOR, _ATOM, _MISSING = object(), object(), object()  # an entry's kind, where not its identity
 _ROOTS, _OBJECT, _DICT, _SEQUENCE, _METHOD = range(5)  # what a record read
+Queue = collections.deque[tuple[Any, tuple, str, tuple[int, int], int]]
 
 
-def split(fn):
+def split(fn: object) -> tuple[types.FunctionType | None, object]:
   """`(function whose closure and globals are read, self or None)` of a callable.
 
   Example:
@@ -70,21 +72,26 @@ class Target:
   """
   __slots__ = ("call", "pargs", "pkw", "function", "owner")
 
-  def __init__(self, fn):
+  def __init__(self, fn: Any) -> None:
+    self.function: types.FunctionType | None
+    self.pargs: tuple
+    self.pkw: dict[str, Any]
+    self.owner: object
     if type(fn) is types.FunctionType:  # the common case, first
       self.call = self.function = fn
       self.pargs, self.pkw, self.owner = (), {}, None
       return
-    pargs, pkw = (), {}
+    pargs: tuple = ()
+    pkw: dict[str, Any] = {}
     while isinstance(fn, functools.partial):
       pargs, pkw = fn.args + pargs, {**fn.keywords, **pkw}
       fn = fn.func
     self.call, self.pargs, self.pkw = fn, pargs, pkw
     self.function, self.owner = split(fn)
 
-  def roots(self):
+  def roots(self) -> list[tuple[tuple, str]]:
     """`(key, name)` of every root, in walk order."""
-    found = []
+    found: list[tuple[tuple, str]] = []
     if self.function is not None:
       code = self.function.__code__
       found += [((CELL, i), name) for i, name in
@@ -95,41 +102,44 @@ class Target:
     found += [((PARG, i), f"partial.args[{i}]") for i in range(len(self.pargs))]
     return found + [((PKW, k), f"partial.keywords[{k!r}]") for k in self.pkw]
 
-  def root(self, key):
+  def root(self, key: tuple) -> Any:
     """The value at a root now (`_MISSING` for an empty cell or an unset global)."""
-    kind = key[0]
+    kind, function = key[0], self.function
     if kind == CELL:
+      assert function is not None, key  # a function's root
       try:
-        return self.function.__closure__[key[1]].cell_contents
+        return (function.__closure__ or ())[key[1]].cell_contents
       except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
         return _MISSING
     if kind == GLOBAL:
-      return self.function.__globals__.get(key[1], _MISSING)
+      assert function is not None, key  # a function's root
+      return function.__globals__.get(key[1], _MISSING)
     if kind == SELF:
       return self.owner
     return self.pargs[key[1]] if kind == PARG else self.pkw[key[1]]
 
 
-@functools.lru_cache(maxsize=1024)
-def _library_class(cls):
+@functools.lru_cache(maxsize=1024)  # mypy 1.13 finds a class not Hashable: calls ignore that
+def _library_class(cls: type) -> bool:
   """Whether `cls` or a base comes from Python itself or from torch, JAX, NumPy or this package:
   its objects (loggers, locks, optimizers, data loaders) hold no model the code reads there."""
   return any((getattr(k, "__module__", None) or "").split(".")[0] in _LIBRARIES
              for k in cls.__mro__[:-1])
 
 
-@functools.lru_cache(maxsize=1024)
-def _enterable_class(cls):
+@functools.lru_cache(maxsize=1024)  # mypy 1.13 finds a class not Hashable: calls ignore that
+def _enterable_class(cls: type) -> bool:
   """Whether the walk reads the attributes of objects of class `cls`: a namespace, or a class of
   the user's or of another library (a transformers Trainer, a dataclass)."""
-  return issubclass(cls, _NAMESPACES) or not (issubclass(cls, _NOT_ENTERED) or _library_class(cls))
+  return issubclass(cls, _NAMESPACES) or not (
+      issubclass(cls, _NOT_ENTERED) or _library_class(cls))  # type: ignore[arg-type]
 
 
-def _liftable(value):
+def _liftable(value: object) -> bool:
   return isinstance(value, (torch.Tensor, torch.nn.Module))
 
 
-def _mark(value):
+def _mark(value: object) -> object:
   """What a re-validation compares an entry by: tensors and plain values by kind (a tensor
   replaced by another is read where it is), everything else by `id` (a walk holds no object: a
   containing object's type and keys are checked where it is read, so a reused `id` still finds
@@ -149,7 +159,7 @@ def step_name(step: tuple) -> str:
   return f"[{step[1]!r}]" if step[0] == ITEM else f".{step[1]}"
 
 
-def _kind(value):
+def _kind(value: Any) -> int | None:
   """How the walk enters `value` (`_OBJECT`, `_DICT`, `_SEQUENCE`), or None."""
   cls = type(value)
   if cls in _DICTS:
@@ -158,7 +168,8 @@ def _kind(value):
     return _METHOD  # a bound method held in a variable: its `self`
   if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(cls, "_fields")):
     return _SEQUENCE
-  if isinstance(getattr(value, "__dict__", None), dict) and _enterable_class(cls):
+  if isinstance(getattr(value, "__dict__", None), dict) and (
+      _enterable_class(cls)):  # type: ignore[arg-type]
     return _OBJECT
   return None
 
@@ -177,8 +188,8 @@ class Walk:
     [((('global', 'holder'), ('attr', 'w')), 'holder.w')]
   """
 
-  def __init__(self, target):
-    self.names = set()
+  def __init__(self, target: Target) -> None:
+    self.names: set[str] = set()
     if target.function is not None:
       self.names |= code_names.code_names(target.function.__code__)
     for _ in range(4):  # the names grow with the methods the walk reaches: until they settle
@@ -190,13 +201,17 @@ class Walk:
     self.positions = [at for _, _, at in self.found] + [at for _, at in self.atoms]
     self.atom_names = tuple(name for name, _ in self.atoms)
 
-  def _walk(self, target):
-    self.records, self.found, self.notes, self._seen = [], [], [], set()
-    self.atoms = []  # (name, at) of the plain values (numbers, strings) found
+  def _walk(self, target: Target) -> None:
+    self.records: list[list] = []  # what it read: `_record`'s entries
+    self.found: list[tuple[tuple, str, tuple[int, int]]] = []  # (where, name, at)
+    self.notes: list[str] = []
+    self._seen: set[int] = set()
+    # (name, at) of the plain values (numbers, strings) found
+    self.atoms: list[tuple[str, tuple[int, int]]] = []
     roots = target.roots()
     values = [target.root(key) for key, _ in roots]
     self._record(None, _ROOTS, [key for key, _ in roots], None, values)
-    queue = collections.deque()  # (value, where, name, at, depth): breadth first
+    queue: Queue = collections.deque()  # (value, where, name, at, depth): breadth first
     for i, ((key, name), value) in enumerate(zip(roots, values)):
       if isinstance(value, types.FunctionType) and key[0] != SELF:  # a helper it calls
         self.names |= code_names.code_names(value.__code__)
@@ -205,7 +220,8 @@ class Walk:
       self._visit(queue, *queue.popleft())
     del self._seen
 
-  def _visit(self, queue, value, where, name, at, depth):
+  def _visit(self, queue: Queue, value: Any, where: tuple, name: str, at: tuple[int, int],
+             depth: int) -> None:
     if isinstance(value, torch.Tensor):
       self.found.append((where, name, at))
     elif isinstance(value, torch.nn.Module):
@@ -219,18 +235,22 @@ class Walk:
     elif value is not _MISSING:
       kind = _OBJECT if depth < 0 and hasattr(value, "__dict__") else _kind(value)
       if kind is None:
-        if not (callable(value) or hasattr(value, "__dict__") or _library_class(type(value))):
+        if not (callable(value) or hasattr(value, "__dict__")
+                or _library_class(type(value))):  # type: ignore[arg-type]
           self.notes.append(f"`{name}` (of type {type(value).__name__}: no `__dict__`, so its "
                             f"attributes cannot be read)")
       elif id(value) not in self._seen:
         self._seen.add(id(value))
         self._enter(queue, value, kind, where, name, at, depth)
 
-  def _enter(self, queue, value, kind, where, name, at, depth):
+  def _enter(self, queue: Queue, value: Any, kind: int, where: tuple, name: str,
+             at: tuple[int, int], depth: int) -> None:
     what = f"`{name}` (of type {type(value).__name__}"
     if depth >= DEPTH:
       self.notes.append(f"{what}: deeper than the {DEPTH} levels searched)")
       return
+    keys: Sequence[Hashable]
+    shape: Hashable
     if kind == _OBJECT:
       self._follow(type(value))
       table = vars(value)
@@ -255,31 +275,33 @@ class Walk:
       step = (ATTR, key) if kind == _OBJECT else (BOUND, key) if kind == _METHOD else (ITEM, key)
       queue.append((item, where + (step,), name + step_name(step), (record, j), depth + 1))
 
-  def _follow(self, cls):
+  def _follow(self, cls: type) -> None:
     """Adds the names read by the methods and properties of `cls` that the code names (and its
     `__call__`): `trainer.compute_loss(batch)` reads `self.model` there."""
     for method, names in code_names.method_names(cls).items():
       if method in self.names or method == "__call__":
         self.names |= names
 
-  def _record(self, at, kind, keys, shape, values):
+  def _record(self, at: tuple[int, int] | None, kind: int, keys: Sequence[Hashable],
+              shape: Hashable, values: Sequence[object]) -> int:
     # the entries' ids and types: what `values` compares first (in C); their marks where not equal
     self.records.append([at, kind, tuple(keys), shape, tuple(map(_mark, values)),
                          tuple(map(id, values)), tuple(map(type, values))])
     return len(self.records) - 1
 
-  def values(self, target):
+  def values(self, target: Target) -> list | None:
     """The values at the found places now, or None where an entry it read is not what it was
     (then the callable must be walked again)."""
-    read = []
+    read: list[list] = []
     for record in self.records:
       at, kind, keys, shape, marks, ids, types_ = record
       if kind == _ROOTS:
         now = list(map(target.root, keys))
       else:
-        now = _reread(read[at[0]][at[1]], kind, keys, shape)
-        if now is None:
+        found = _reread(read[at[0]][at[1]], kind, keys, shape)
+        if found is None:
           return None
+        now = found
       now_ids, now_types = tuple(map(id, now)), tuple(map(type, now))
       if now_ids != ids or now_types != types_:  # the same id and type: the same kind of entry
         if marks != tuple(map(_mark, now)):
@@ -289,7 +311,7 @@ class Walk:
     return [read[r][j] for r, j in self.positions]
 
 
-def _reread(container, kind, keys, shape):
+def _reread(container: Any, kind: int, keys: Sequence[Any], shape: Any) -> list | None:
   """The entries `keys` of a container a walk entered, or None where its type or keys changed."""
   if kind == _OBJECT:
     table = getattr(container, "__dict__", None)
@@ -307,11 +329,12 @@ def _reread(container, kind, keys, shape):
   return list(container)
 
 
-_WALKS = {}  # id(callable) -> (weak reference to it, its Walk)
+# id(callable) -> (weak reference to it, its Walk)
+_WALKS: dict[int, tuple[Callable[[], object], Walk]] = {}
 walks = 0  # how many walks were made (a kept walk that holds is not walked again)
 
 
-def _walk_of(fn, target):
+def _walk_of(fn: object, target: Target) -> tuple[Walk, list | None]:
   """`(walk, values)` for `fn`: its kept walk where that still holds, else a new one (kept while
   `fn` lives, where `fn` can be referenced weakly)."""
   entry = _WALKS.get(id(fn))
@@ -323,7 +346,7 @@ def _walk_of(fn, target):
   walks += 1
   walk = Walk(target)
   try:
-    _WALKS[id(fn)] = (weakref.ref(fn, lambda _, key=id(fn): _WALKS.pop(key, None)), walk)
+    _WALKS[id(fn)] = (weakref.ref(fn, functools.partial(_WALKS.pop, id(fn))), walk)
   except TypeError:  # not weakly referenceable: walked at every call
     pass
   return walk, walk.values(target)
@@ -373,28 +396,3 @@ def notes(fn: object) -> list:
   target = Target(fn)
   return _walk_of(fn, target)[0].notes
 
-
-def read(fn: object, where: tuple) -> object:
-  """The value at the place `where` of `fn` (a root key, then steps), now.
-
-  Example:
-    >>> import types
-    >>> cfg = types.SimpleNamespace(w=torch.ones(1))
-    >>> f = lambda: cfg.w
-    >>> read(f, find(f)[0][0][0]) is cfg.w
-    True
-  """
-  return follow(Target(fn).root(where[0]), where[1:])
-
-
-def follow(value: object, steps: tuple) -> object:
-  """The value `steps` (`(ATTR, name)`, `(ITEM, key)`, `(BOUND, "__self__")`) lead to from
-  `value`.
-
-  Example:
-    >>> follow({"a": [5]}, ((ITEM, "a"), (ITEM, 0)))
-    5
-  """
-  for kind, key in steps:
-    value = vars(value)[key] if kind == ATTR else value[key] if kind == ITEM else value.__self__
-  return value

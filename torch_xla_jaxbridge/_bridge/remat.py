@@ -4,16 +4,15 @@ A policy decides, for each value the forward computes, whether the backward keep
 keeps it in host memory (offloaded) or computes it again (recomputed). Policies are JAX's
 `jax.checkpoint_policies`; this module names them and builds them from tensor names.
 """
+from __future__ import annotations
+
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import runtime, tracing
-
-# What `remat=` accepts: None, a preset name, a `Remat`, or a `jax.checkpoint_policies` policy.
-RematArg = Union[None, str, "Remat", Callable[..., Any]]
 
 MINIMAL_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
 
@@ -58,9 +57,9 @@ class Remat:
   """
   save: tuple = ()
   offload: tuple = ()
-  policy: object = None
+  policy: str | Callable[..., Any] | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for field in ("save", "offload"):
       value = getattr(self, field)
       names = (value,) if isinstance(value, str) else tuple(value)
@@ -76,6 +75,9 @@ class Remat:
     if self.policy is not None:
       policy_for(self.policy)  # validates
 
+
+# What `remat=` accepts: None, a preset name, a `Remat`, or a `jax.checkpoint_policies` policy.
+RematArg = str | Remat | Callable[..., Any] | None
 
 # Ops XLA fuses into the ops that read them. In an unrolled program their results are recomputed
 # inside the backward's fusions rather than stored; a scan body stores every value `jax.vjp` keeps,
@@ -169,7 +171,7 @@ def presets() -> dict[str, Preset]:
   return dict(_PRESETS)
 
 
-def _preset(name):
+def _preset(name: str) -> Callable:
   found = _PRESETS.get(name)
   if found is None:
     raise errors.BadArgumentError(
@@ -178,7 +180,8 @@ def _preset(name):
   return found.make()
 
 
-def _names_policy(save, offload, base):
+def _names_policy(save: tuple[str, ...], offload: tuple[str, ...],
+                  base: Callable | None) -> Callable:
   jax = runtime.jax_module()
   named = jax.checkpoint_policies.save_and_offload_only_these_names(
       names_which_can_be_saved=save, names_which_can_be_offloaded=offload,
@@ -187,7 +190,7 @@ def _names_policy(save, offload, base):
     return named
   chosen = frozenset(save) | frozenset(offload)
 
-  def policy(prim, *args, **params):
+  def policy(prim: Any, *args: Any, **params: Any) -> Any:
     if prim.name == "name" and params.get("name") in chosen:
       return named(prim, *args, **params)
     return base(prim, *args, **params)
@@ -196,7 +199,7 @@ def _names_policy(save, offload, base):
 
 
 @functools.lru_cache(maxsize=None)
-def policy_for(remat):
+def policy_for(remat: RematArg) -> Callable | None:
   """The JAX checkpoint policy for a `remat=` value, or None for "keep what jax.vjp keeps".
 
   Accepts None, a preset name (`presets()`), a `Remat`, or a `jax.checkpoint_policies` policy.
@@ -234,7 +237,7 @@ def offloads(remat: RematArg) -> bool:
 
 
 @functools.cache
-def warn_offload_dropped(platform):
+def warn_offload_dropped(platform: str) -> None:
   """Says once per platform that JAX drops host-offload annotations there."""
   warnings.warn(
       f"remat offload: JAX drops host-memory placement on '{platform}', so offloaded tensors "
@@ -242,7 +245,7 @@ def warn_offload_dropped(platform):
       f"annotations on this machine, use jb.lower_bridged(..., platform='tpu').", stacklevel=3)
 
 
-def _policies():
+def _policies() -> Any:
   return runtime.jax_module().checkpoint_policies
 
 

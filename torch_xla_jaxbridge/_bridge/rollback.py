@@ -10,17 +10,20 @@ A fallback restores it before the plain run; a trace run again within one call (
 with a fresh random key) starts from it too. What the code does through anything else (files,
 printing, logging, objects reached deeper) is not recorded: docs/bridge.md says so.
 """
+from __future__ import annotations
+
 import collections
 import contextvars
 import random
 import types
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
 
 from torch_xla_jaxbridge._bridge import code_names, reach
 
-_OPEN: contextvars.ContextVar = contextvars.ContextVar("bridge_attempt", default=None)
+_OPEN: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar("bridge_attempt",
+                                                                    default=None)
 _CONTAINERS = (list, dict, set, collections.deque)
 
 
@@ -43,11 +46,11 @@ class Snapshot:
     True
   """
 
-  def __init__(self, modules: Iterable[torch.nn.Module], functions: Iterable[Callable]):
+  def __init__(self, modules: Iterable[torch.nn.Module], functions: Iterable[Callable]) -> None:
     self.streams = _random_streams()
-    objects = {id(sub): sub for module in modules for sub in module.modules()}
+    objects: dict[int, Any] = {id(sub): sub for module in modules for sub in module.modules()}
     forwards = {type(sub).forward for sub in objects.values()}
-    bindings = {}
+    bindings: dict[tuple[int, object], tuple[Any, Any]] = {}
     for fn in [*functions, *forwards]:
       target = reach.Target(fn)
       for obj in _objects_of(target):
@@ -98,19 +101,19 @@ class Attempt:
     True
   """
 
-  def __init__(self, reach_: Callable[[], tuple]):
+  def __init__(self, reach_: Callable[[], tuple]) -> None:
     self.reach = reach_
-    self.snapshot: Optional[Snapshot] = None
+    self.snapshot: Snapshot | None = None
     self.depth = 0
-    self.token = None
+    self.token: contextvars.Token[Attempt | None] | None = None
 
-  def __enter__(self) -> "Attempt":
+  def __enter__(self) -> Attempt:
     outer = _OPEN.get()
     if outer is None or outer.depth == 0:  # inside a trace the enclosing try covers it
       self.token = _OPEN.set(self)
     return self
 
-  def __exit__(self, *exc) -> bool:
+  def __exit__(self, *exc: object) -> Literal[False]:
     if self.token is not None:
       _OPEN.reset(self.token)
     return False
@@ -147,7 +150,7 @@ class tracing:  # noqa: N801  (a context manager, used as a function)
   """Around a trace of torch code: the first trace of the open `Attempt` records the host state,
   each later one starts from it. Traces inside traces are covered by the outermost."""
 
-  def __enter__(self):
+  def __enter__(self) -> tracing:
     self.attempt = attempt = _OPEN.get()
     if attempt is not None:
       if attempt.depth == 0:
@@ -158,13 +161,13 @@ class tracing:  # noqa: N801  (a context manager, used as a function)
       attempt.depth += 1
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: object) -> Literal[False]:
     if self.attempt is not None:
       self.attempt.depth -= 1
     return False
 
 
-def region_of(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> tuple:
+def region_of(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> tuple:
   """`(modules, functions)` of a call of the bridged function `fn`: the modules it reads (closure,
   globals, `self`, partial arguments) or is given (`args`, `kwargs`), and `fn`'s own code.
 
@@ -182,14 +185,14 @@ def region_of(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> 
 _ABSENT = object()
 
 
-def _cell_value(cell):
+def _cell_value(cell: types.CellType) -> object:
   try:
     return cell.cell_contents
   except ValueError:  # an empty cell
     return _ABSENT
 
 
-def _objects_of(target):
+def _objects_of(target: reach.Target) -> Iterator[object]:
   """The objects a callable runs on (`self` of a method or callable object, a partial's
   arguments), from its `reach.Target`."""
   for obj in (target.owner, *target.pargs, *target.pkw.values()):
@@ -197,7 +200,7 @@ def _objects_of(target):
       yield obj
 
 
-def _bindings_of(function):
+def _bindings_of(function: object) -> Iterator[tuple[Any, Any]]:
   """`(scope, name)` of every global (`scope` the globals dict) and closure cell (`scope` the
   cell, `name` its index) the code of `function` (and what it wraps) reads."""
   while isinstance(function, types.FunctionType):
@@ -208,12 +211,12 @@ def _bindings_of(function):
     function = getattr(function, "__wrapped__", None)
 
 
-def _copy(container):
+def _copy(container: Any) -> Any:
   return type(container).copy(container) if not isinstance(container, collections.deque) \
       else collections.deque(container)
 
 
-def _put_back(container, saved):
+def _put_back(container: Any, saved: Any) -> None:
   if isinstance(container, dict):
     container.clear()
     container.update(saved)
@@ -225,7 +228,7 @@ def _put_back(container, saved):
     container.extend(saved)
 
 
-def _generator_state(value):
+def _generator_state(value: Any) -> object:
   """The state of a random generator object (`random.Random`, NumPy's `Generator` and
   `RandomState`, `torch.Generator`), or None for other values."""
   if isinstance(value, random.Random):
@@ -240,7 +243,7 @@ def _generator_state(value):
   return None
 
 
-def _set_generator_state(value, state):
+def _set_generator_state(value: Any, state: Any) -> None:
   if isinstance(value, random.Random):
     value.setstate(state)
   elif isinstance(value, torch.Generator):
@@ -251,7 +254,7 @@ def _set_generator_state(value, state):
     value.set_state(state)
 
 
-def _random_streams():
+def _random_streams() -> tuple:
   """The global random streams: Python's, NumPy's, torch's CPU generator and the XLA device's."""
   import numpy
   import torch_xla.core.xla_model as xm
@@ -260,7 +263,7 @@ def _random_streams():
           xm.get_rng_state())
 
 
-def _set_random_streams(streams):
+def _set_random_streams(streams: tuple) -> None:
   import numpy
   import torch_xla.core.xla_model as xm
 

@@ -8,7 +8,7 @@ import contextlib
 import copy
 import inspect
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,13 +22,16 @@ from torch_xla_jaxbridge._core import attribute_reads, call, modules, runtime, s
 # The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
 # no layer), and kept as long as the first layer of one of them lives: each first layer holds its
 # stack's in `_BY_LAYER` (a stack whose structure has no key has its own).
-_BY_STRUCTURE = weakref.WeakValueDictionary()
-_BY_LAYER = weakref.WeakKeyDictionary()  # first layer -> {(structure, remat): Bridged}
+_BY_STRUCTURE: "weakref.WeakValueDictionary[tuple, Bridged[_ScanLayers]]" = (
+    weakref.WeakValueDictionary())
+# first layer -> {(structure, remat): Bridged}
+_BY_LAYER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Bridged[_ScanLayers]]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn: Any = None,
                 is_layer_pure: bool = True, *, remat: Any = None, shared_args: tuple = (),
-                shared_kwargs: dict = None) -> Any:
+                shared_kwargs: dict | None = None) -> Any:
   """Runs `layers` in sequence on `input_data` as one scanned, bridged computation.
 
   The arguments of `torch_xla.experimental.scan_layers.scan_layers`, and more. Layer `i` is
@@ -63,6 +66,7 @@ def scan_layers(layers: Iterable[torch.nn.Module], input_data: Any, partition_fn
   stack = _LayerStack.of(layers)
   params, buffers, training = stack.state()
   template = stack.template()
+  assert template is not None, "held by `layers`"
   bridged = _bridged_scan(template, stack.structure, remat)
   out = bridged.fn.run_for(template, bridged, len(layers), params, buffers, training,
                            input_data, tuple(shared_args), shared_kwargs or {})
@@ -85,10 +89,12 @@ class _LayerStack:
     torch.Size([3, 2, 2])
   """
 
-  _by_first = weakref.WeakKeyDictionary()  # first layer -> {layer ids: _LayerStack}
+  # first layer -> {layer ids: _LayerStack}
+  _by_first: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, _LayerStack]]" = (
+      weakref.WeakKeyDictionary())
 
   @classmethod
-  def of(cls, layers):
+  def of(cls, layers: list[torch.nn.Module]) -> "_LayerStack":
     stacks = cls._by_first.setdefault(layers[0], {})
     ids = tuple(map(id, layers))
     stack = stacks.get(ids)
@@ -96,7 +102,7 @@ class _LayerStack:
       stack = stacks[ids] = cls(layers)
     return stack
 
-  def __init__(self, layers):
+  def __init__(self, layers: list[torch.nn.Module]) -> None:
     self.differences = layer_check.identical(layers)
     self.refs = [weakref.ref(l) for l in layers]
     self.walks = [modules.StateWalk(l) for l in layers]
@@ -105,7 +111,7 @@ class _LayerStack:
     self.template = weakref.ref(template)
     self.structure = modules.structure_key(template, same_objects=False)
 
-  def state(self):
+  def state(self) -> modules.ModuleState:
     """`(params, buffers, training)`: each parameter and buffer stacked over layers, in the graph
     (gradients reach each layer's own tensors through the stack's backward), and the first
     layer's modes."""
@@ -127,15 +133,16 @@ class _LayerStack:
       raise
     return dict(zip(names, stacked)), dict(zip(buffer_names, stacked_buffers)), states[0][2]
 
-  def _check(self):
+  def _check(self) -> None:
     self.differences = layer_check.identical([ref() for ref in self.refs])
 
-  def unstack(self, stacked):
+  def unstack(self, stacked: list) -> list:
     """The stacking's backward (`_unstack`), traced for this stack: its programs die with it."""
     return _unstack(stacked)
 
 
-def _bridged_scan(template, structure, remat):
+def _bridged_scan(template: torch.nn.Module, structure: tuple | None,
+                  remat: remat_policies.RematArg) -> "Bridged[_ScanLayers]":
   """The scan's bridged function, shared by stacks of one structure and remat policy (call it as
   `bridged.fn.run_for(template, bridged, ...)`), held by `template` (a stack's first layer)."""
   own = _BY_LAYER.setdefault(template, {})
@@ -176,7 +183,7 @@ class StackedLayers(torch.nn.Module):
     torch.Size([4, 8, 8])
   """
 
-  def __init__(self, layers: Iterable[torch.nn.Module], *, remat: Any = None):
+  def __init__(self, layers: Iterable[torch.nn.Module], *, remat: Any = None) -> None:
     super().__init__()
     layers = list(layers)
     if not layers:
@@ -187,7 +194,7 @@ class StackedLayers(torch.nn.Module):
     self.count, self.remat = len(layers), remat
     self.layer = copy.deepcopy(layers[0])  # the structure; its tensors are replaced by stacks
     self.differences = differences
-    stacked = {}  # a tensor tied between two names stays one stack
+    stacked: dict[int, torch.Tensor] = {}  # a tensor tied between two names stays one stack
     for table in (torch_private.parameters_table, torch_private.buffers_table):
       for name, sub in self.layer.named_modules(remove_duplicate=False):
         tensors = table(sub)
@@ -200,7 +207,7 @@ class StackedLayers(torch.nn.Module):
     self.register_state_dict_post_hook(_per_layer_keys)
     self.register_load_state_dict_pre_hook(_stacked_keys)
 
-  def forward(self, carry, *shared_args, **shared_kwargs):
+  def forward(self, carry: Any, *shared_args: Any, **shared_kwargs: Any) -> Any:
     """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
     params, buffers, training = self._walk.state()
     bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
@@ -210,14 +217,15 @@ class StackedLayers(torch.nn.Module):
     layer_check.refuse_read(self.differences, bridged.fn.reads, "StackedLayers")
     return out
 
-  def __len__(self):
+  def __len__(self) -> int:
     return self.count
 
-  def extra_repr(self):
+  def extra_repr(self) -> str:
     return f"count={self.count}, remat={self.remat!r}"
 
 
-def _stack_over(layers, name, table, requires_grad):
+def _stack_over(layers: list[torch.nn.Module], name: str, table: Callable[[torch.nn.Module], dict],
+                requires_grad: bool) -> torch.Tensor:
   """The parameter or buffer `name` (in each layer's `table`: its parameters or its buffers) of
   every layer, stacked."""
   path, _, key = name.rpartition(".")
@@ -226,7 +234,7 @@ def _stack_over(layers, name, table, requires_grad):
   return torch.nn.Parameter(stack, requires_grad) if is_parameter else stack
 
 
-def _per_layer_keys(module, state_dict, prefix, local_metadata):
+def _per_layer_keys(module: Any, state_dict: dict, prefix: str, local_metadata: object) -> None:
   """state_dict hook: the stacked `layer.<name>` entries as the layer list's `<i>.<name>`. An XLA
   stack's slices are computed in one program, as tensors of their own (a reader of views such as
   torch.distributed.checkpoint would run and compile a program per slice)."""
@@ -242,8 +250,8 @@ def _per_layer_keys(module, state_dict, prefix, local_metadata):
     torch_xla_private.sync_tensors(on_xla)
 
 
-def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                  unexpected_keys, error_msgs):
+def _stacked_keys(module: Any, state_dict: dict, prefix: str, local_metadata: object, strict: bool,
+                  missing_keys: list, unexpected_keys: list, error_msgs: list[str]) -> None:
   """load_state_dict hook: the layer list's `<i>.<name>` entries stacked as `layer.<name>`."""
   for name in module.layer.state_dict():
     keys = [f"{prefix}{i}.{name}" for i in range(module.count)]
@@ -255,12 +263,12 @@ def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_ke
       state_dict[f"{prefix}layer.{name}"] = torch.stack([state_dict.pop(k) for k in keys])
 
 
-def _groups(tensors, count):
+def _groups(tensors: list | tuple, count: int) -> list:
   """`tensors` listed name by name, each name's `count` layers in order: one group per name."""
   return [tensors[i:i + count] for i in range(0, len(tensors), count)]
 
 
-def _mixed_dtypes(tensors, count):
+def _mixed_dtypes(tensors: list | tuple, count: int) -> bool:
   return any(len({t.dtype for t in group}) > 1 for group in _groups(tensors, count))
 
 
@@ -271,7 +279,8 @@ class _StackLayers(torch.autograd.Function):
   alone can leave it replicated)."""
 
   @staticmethod
-  def forward(ctx, stack, count, shardings, *tensors):
+  def forward(ctx: Any, stack: _LayerStack, count: int, shardings: tuple | None,
+              *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ctx.stack, ctx.shardings = stack, shardings
     groups = _groups(tensors, count)
     stacked = tuple(torch.stack(group) for group in groups)
@@ -280,13 +289,13 @@ class _StackLayers(torch.autograd.Function):
     return stacked
 
   @staticmethod
-  def backward(ctx, *grads):
+  def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
     per_layer = call.call_jax(ctx.stack.unstack, (list(grads),), name="unstack_layers")
     sharding.shard_like(per_layer, ctx.shardings)
     return (None, None, None, *per_layer)
 
 
-def _unstack(stacked):
+def _unstack(stacked: list) -> list:
   return [layer for group in stacked for layer in group]
 
 
@@ -295,12 +304,12 @@ class _ScanLayers(modules.Calling):
   called (its first layer named by `run_for`). `reads`: the attributes its traces read."""
   __slots__ = ("policy", "reads")
 
-  def __init__(self, policy):
+  def __init__(self, policy: Callable | None) -> None:
     super().__init__()
     self.policy = policy
     self.reads: set = set()
 
-  def __call__(self, *args):
+  def __call__(self, *args: Any) -> Any:
     template = self.module()
     with attribute_reads.attribute_reads(template) as reads:
       out = _scan(template, self.policy, *args)
@@ -308,13 +317,15 @@ class _ScanLayers(modules.Calling):
     return out
 
 
-def _scan(template, policy, count, params, buffers, training, carry, shared_args, shared_kwargs):
+def _scan(template: torch.nn.Module, policy: Callable | None, count: int, params: dict,
+          buffers: dict, training: tuple, carry: Any, shared_args: tuple,
+          shared_kwargs: dict) -> Any:
   """The bridged torch function: runs under torchax, with stacked torchax tensors."""
   jax = runtime.jax_module()
   env = tracing.environment()
   unwrap, wrap = tracing.to_jax, tracing.to_torchax
 
-  def run_layer(carry, layer_params, layer_buffers, key):
+  def run_layer(carry: Any, layer_params: dict, layer_buffers: dict, key: Any) -> Any:
     buffers_in = wrap(layer_buffers)
     with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
       before = torchax_private.current_key(env)
@@ -336,13 +347,14 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
     return out
 
   # per-layer keys only for layers that draw random numbers: splitting keys costs compile time
-  drew, layer_args = [], _layer_arguments(template, carry, shared_args, shared_kwargs)
+  drew: list[bool] = []
+  layer_args = _layer_arguments(template, carry, shared_args, shared_kwargs)
   first_layer = jax.tree.map(lambda a: a[0], (unwrap(params), unwrap(buffers)))
   jax.eval_shape(lambda c, p, b: run_layer(c, p, b, jax.random.key(0)), unwrap(carry),
                  *first_layer)
   keys = jax.random.split(env.get_and_rotate_prng_key(), count) if drew[0] else None
 
-  def body(carry, xs):
+  def body(carry: Any, xs: tuple) -> tuple[Any, None]:
     layer_params, layer_buffers, key = xs
     return run_layer(carry, layer_params, layer_buffers, key), None
 
@@ -352,7 +364,8 @@ def _scan(template, policy, count, params, buffers, training, carry, shared_args
   return wrap(final)
 
 
-def _layer_arguments(template, carry, shared_args, shared_kwargs):
+def _layer_arguments(template: torch.nn.Module, carry: Any, shared_args: tuple,
+                     shared_kwargs: dict) -> Callable[[Any], tuple]:
   """How a layer gets the carry: as one argument, or a tuple carry spread over its arguments
   when the layer's forward cannot take it as one (upstream's way: `forward(self, x, y, z)`)."""
   shared = tuple(shared_args)
@@ -365,7 +378,7 @@ def _layer_arguments(template, carry, shared_args, shared_kwargs):
   return lambda c: (c, *shared)
 
 
-def _residuals_read_whole(body):
+def _residuals_read_whole(body: Callable) -> Callable:
   """`body` with a backward that reads its layer's saved residuals through an optimization
   barrier. Without it XLA:CPU fuses the slicing of the stacked residuals into the kernels that
   consume them, and those kernels (transposes feeding the weight-gradient matmuls) ran several
@@ -373,13 +386,13 @@ def _residuals_read_whole(body):
   jax = runtime.jax_module()
 
   @jax.custom_vjp
-  def scanned(carry, xs):
+  def scanned(carry: Any, xs: Any) -> Any:
     return body(carry, xs)
 
-  def forward(carry, xs):
+  def forward(carry: Any, xs: Any) -> Any:
     return jax.vjp(body, carry, xs)  # the backward function is a pytree of the residuals
 
-  def backward(saved, cotangent):
+  def backward(saved: Any, cotangent: Any) -> Any:
     return jax.lax.optimization_barrier(saved)(cotangent)
 
   scanned.defvjp(forward, backward)

@@ -4,9 +4,12 @@ bridged call (one forward node, one backward node, whatever the length).
 The step function is converted once (torchax) into the scan body; the tensors it reads from its
 closure, globals or `self` are lifted into inputs of the call, so they get gradients too.
 """
+from __future__ import annotations
+
 import contextlib
+import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -16,8 +19,11 @@ from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._compat import torchax_private
 from torch_xla_jaxbridge._core import runtime, tracing
+from torch_xla_jaxbridge._core.runtime import PyTree
 
-_BY_FUNCTION: Any = weakref.WeakKeyDictionary()  # fn -> {remat: Bridged}, the Bridged holds fn weakly
+# fn -> {remat: Bridged}, the Bridged holds fn weakly
+_BY_FUNCTION: weakref.WeakKeyDictionary[Callable, dict[Hashable, Bridged[_Scan]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def scan(fn: Callable, init: Any, xs: Any, partition_fn: Any = None, is_fn_pure: bool = True, *,
@@ -59,7 +65,7 @@ def scan(fn: Callable, init: Any, xs: Any, partition_fn: Any = None, is_fn_pure:
   return bridged(init, xs, captures.collect_for_call(fn, bridged.name, (init, xs)))
 
 
-def _length(xs):
+def _length(xs: PyTree) -> int | None:
   jax = runtime.jax_module()
   leaves, _ = jax.tree_util.tree_flatten_with_path(xs)
   tensors = [(path, x) for path, x in leaves if isinstance(x, torch.Tensor)]
@@ -75,7 +81,7 @@ def _length(xs):
   return lengths.pop()
 
 
-def _bridged(fn, remat):
+def _bridged(fn: Callable, remat: remat_policies.RematArg) -> Bridged[_Scan]:
   table = _BY_FUNCTION.setdefault(fn, {})
   bridged = table.get(remat)
   if bridged is None:
@@ -88,16 +94,19 @@ def _bridged(fn, remat):
 class _Scan:
   """The bridged torch function: runs under torchax on the traced `init`, `xs` and captures."""
 
-  def __init__(self, ref, policy):
+  def __init__(self, ref: Callable[[], Callable | None], policy: Callable) -> None:
     self.ref, self.policy = ref, policy
 
-  def __call__(self, init, xs, lifted):
+  def __call__(self, init: PyTree, xs: PyTree, lifted: captures.Lifted | None) -> PyTree:
     jax = runtime.jax_module()
     env = tracing.environment()
     unwrap, wrap = tracing.to_jax, tracing.to_torchax
-    fn, drew = self.ref(), []
+    found = self.ref()
+    assert found is not None, "called by `scan`, which holds the function"
+    fn: Callable = found  # (mypy keeps no narrowing into `step`)
+    drew: list[bool] = []
 
-    def step(carry, x, key):
+    def step(carry: PyTree, x: PyTree, key: Any) -> tuple[PyTree, PyTree]:
       carry_in, x_in = wrap(carry), wrap(x)
       with env.override_property(prng=key) if key is not None else contextlib.nullcontext():
         before = torchax_private.current_key(env)
@@ -124,7 +133,7 @@ class _Scan:
     return wrap((final, ys))
 
 
-def _check_untouched(jax, wrapped, arrays, what):
+def _check_untouched(jax: types.ModuleType, wrapped: PyTree, arrays: PyTree, what: str) -> None:
   """`fn` must not update its inputs in place: the scan cannot give the update back."""
   for w, a in zip(jax.tree.leaves(wrapped), jax.tree.leaves(arrays)):
     if w.jax() is not a:
@@ -134,7 +143,7 @@ def _check_untouched(jax, wrapped, arrays, what):
           f"value and return its new value.")
 
 
-def _check_carry(jax, carry, new_carry):
+def _check_carry(jax: types.ModuleType, carry: PyTree, new_carry: PyTree) -> None:
   old = jax.tree.map(lambda a: (a.shape, a.dtype), carry)
   new = jax.tree.map(lambda a: (a.shape, a.dtype), new_carry)
   if jax.tree.structure(carry) != jax.tree.structure(new_carry) or old != new:

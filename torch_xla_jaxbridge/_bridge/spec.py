@@ -7,12 +7,19 @@ tensors as their state, and splits the tensors into those that need gradients an
 and `Residuals` are what a trace learns about its outputs and its backward; they travel through
 `call_jax` as static output structure.
 """
+from __future__ import annotations
+
 import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 
 import torch
 
 from torch_xla_jaxbridge._bridge import captures, stateful
 from torch_xla_jaxbridge._core import call, plain, runtime, threads, tracing
+from torch_xla_jaxbridge._core.runtime import PyTree
+
+if TYPE_CHECKING:
+  from jax.tree_util import PyTreeDef
 
 DIFF, OTHER = "<diff tensor>", "<tensor>"  # markers of tensor leaves in a `Spec`
 
@@ -28,19 +35,19 @@ class Static:
   by value where it is hashable, else by identity."""
   __slots__ = ("value",)
 
-  def __init__(self, value):
+  def __init__(self, value: object) -> None:
     self.value = value
 
-  def _key(self):
+  def _key(self) -> tuple:
     try:
       return (type(self.value), hash(self.value), self.value)
     except TypeError:
       return (type(self.value), id(self.value))
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, Static) and self._key() == other._key()
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return hash(self._key()[:2])
 
 
@@ -49,15 +56,15 @@ class Layout:
   """What a trace learned about its outputs; travels as static data through `call_jax`. `kinds`
   has one entry per output leaf: True (a floating-point array, differentiable), False (another
   array) or a `Static` (a value that is not an array, returned as it is)."""
-  out_tree: object
-  kinds: tuple
+  out_tree: PyTreeDef
+  kinds: tuple[bool | Static, ...]
   mutated: tuple  # positions (among all argument leaves) updated in place
   packed: bool  # outputs in a structure only torch's pytrees know (stateful.pack_outputs)
 
-  def rebuild(self, floats, others):
+  def rebuild(self, floats: Iterable[Any], others: Iterable[Any]) -> PyTree:
     """The outputs' pytree from the call's floating-point and other arrays."""
-    floats, others = iter(floats), iter(others)
-    return self.out_tree.unflatten([next(floats) if kind is True else next(others)
+    float_it, other_it = iter(floats), iter(others)
+    return self.out_tree.unflatten([next(float_it) if kind is True else next(other_it)
                                     if kind is False else kind.value for kind in self.kinds])
 
 
@@ -66,8 +73,8 @@ class Residuals:
   """How to rebuild the `vjp` function from the residual tensors it was flattened to: each
   residual is either a differentiable input, passed to the backward as it is (`sources[i]`
   indexes `inputs`), or a value the forward computed and returned (`sources[i]` is None)."""
-  tree: object
-  sources: tuple
+  tree: PyTreeDef
+  sources: tuple[int | None, ...]
   inputs: tuple  # positions, among the differentiable inputs, of those the backward reads
   dtypes: tuple  # of the computed residuals
   on_host: tuple  # offloaded computed residuals
@@ -86,22 +93,28 @@ class Spec:
     (<tensors needing grad: g>, 1, 0)
   """
 
-  def __init__(self, treedef, leaves, keys, objects=""):
+  def __init__(self, treedef: PyTreeDef, leaves: tuple, keys: Hashable,
+               objects: str = "") -> None:
     self.treedef = treedef
     self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
     self.objects = objects  # the argument objects passed as their state, for re-trace reasons
     self.context = tracing.trace_keys()  # e.g. the autocast state at this call
     self.keyed = keys is not None  # False: an unhashable static, until `stateful.box` takes it
     self._key = (treedef, keys, self.context)
+    self.has_objects = False  # set by `split`: an argument object may hold tensors
 
   @classmethod
-  def split(cls, tree, needs_grad, caller):
+  def split(cls, tree: PyTree, needs_grad: Callable[[torch.Tensor], bool],
+            caller: str) -> tuple[Spec, list[torch.Tensor], list[torch.Tensor]]:
     """`(spec, diff, other)` for a pytree of arguments: the tensors for which `needs_grad(t)`
     holds, the other tensors, and the spec that merges them back. A static leaf that cannot key
     the trace cache is an error naming it."""
     jax = runtime.jax_module()
     leaves, treedef = jax.tree.flatten(tree)
-    markers, diff, other, first = [], [], [], {}
+    markers: list = []
+    diff: list[torch.Tensor] = []
+    other: list[torch.Tensor] = []
+    first: dict[int, int] = {}
     for position, leaf in enumerate(leaves):
       if isinstance(leaf, torch.Tensor):
         if id(leaf) in first:  # the same tensor again: one input, so the trace sees one tensor
@@ -116,7 +129,8 @@ class Spec:
     statics = [m for m in markers if m is not DIFF and m is not OTHER]
     objects = any(type(m) not in _ATOMS and stateful.may_hold_state(m) for m in statics)
     try:  # the common statics (flags, sizes, None) keyed by type and value without plain.key
-      keys = tuple([(type(m), m) if type(m) in _ATOMS else plain.static_key(m) for m in statics])
+      keys: tuple | None = tuple([(type(m), m) if type(m) in _ATOMS else plain.static_key(m)
+                                  for m in statics])
     except plain.NotPlain:
       if not objects:  # an object may yet be passed as its state (`stateful.box`)
         call.static_keys(markers, tree, caller)  # raises, naming the leaf
@@ -125,34 +139,35 @@ class Spec:
     spec.has_objects = objects
     return spec, diff, other
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, Spec) and self._key == other._key
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return hash(self._key)
 
-  def __repr__(self):  # read in re-trace reasons
+  def __repr__(self) -> str:  # read in re-trace reasons
     marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
     return f"<tensors needing grad: {marks}{self.objects}>"
 
-  def describe_change(self, old):  # a re-trace reason when only the context changed
+  # a re-trace reason when only the context changed
+  def describe_change(self, old: object) -> str | None:
     if isinstance(old, Spec) and old._key[:2] == self._key[:2]:
       return tracing.describe_key_change(old.context, self.context)
     return None
 
-  def merge(self, diff, other):
+  def merge(self, diff: Iterable[Any], other: Iterable[Any]) -> PyTree:
     """The arguments' pytree with `diff` and `other` put back at their positions (a tensor that
     was passed twice at each of its places)."""
-    diff, other = iter(diff), iter(other)
-    full = []
+    diff_it, other_it = iter(diff), iter(other)
+    full: list = []
     for v in self.leaves:
-      full.append(next(diff) if v is DIFF else next(other) if v is OTHER else
+      full.append(next(diff_it) if v is DIFF else next(other_it) if v is OTHER else
                   full[v] if type(v) is _Same else v)
     return self.treedef.unflatten(full)
 
 
 @threads.once
-def register_static_pytree():
+def register_static_pytree() -> None:
   """Lets `Layout` and `Residuals` travel through `call_jax` as static output structure (once)."""
   jax = runtime.jax_module()
   for static in (Layout, Residuals):
@@ -170,7 +185,8 @@ class Prepared:
   boxed: tuple  # (argument object, its Snapshot) for objects passed as their state
 
 
-def prepare(fn, name, args, kwargs, needs_grad, *, lift=True) -> Prepared:
+def prepare(fn: Callable, name: str, args: tuple, kwargs: dict,
+            needs_grad: Callable[[torch.Tensor], bool], *, lift: bool = True) -> Prepared:
   """`fn(*args, **kwargs)`'s arguments for a bridged call: the tensors and modules `fn` reads from
   its closure, globals, `self` and partial arguments (and the objects held there), and the
   modules among the arguments, lifted into a first argument (unless `lift` is False), argument
@@ -187,7 +203,7 @@ def prepare(fn, name, args, kwargs, needs_grad, *, lift=True) -> Prepared:
   if lift:
     args = captures.with_captures(fn, name, args, kwargs)
   spec, diff, other = Spec.split((args, kwargs), needs_grad, name)
-  boxed = ()
+  boxed: tuple | list = ()
   if spec.has_objects:  # argument objects holding tensors: passed as their state
     (args, kwargs), boxed = stateful.box((args, kwargs))
     spec, diff, other = Spec.split((args, kwargs), needs_grad, name)

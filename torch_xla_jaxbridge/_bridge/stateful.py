@@ -8,14 +8,18 @@ as outputs and is written back into the caller's object, so the caller sees what
 have done. A DynamicCache that grows re-traces per length (its tensors change shape); a
 StaticCache, written in place, keeps one trace per input shape.
 """
+from __future__ import annotations
+
 import sys
 import types
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import call, plain, runtime, threads
+from torch_xla_jaxbridge._core.runtime import PyTree
 
 _NOT_STATE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.ModuleType, torch.nn.Module)
@@ -26,13 +30,13 @@ class _Value:
   """A plain value in a state description: compared by `plain.key`, kept for rebuilding."""
   __slots__ = ("key", "value")
 
-  def __init__(self, value):
+  def __init__(self, value: object) -> None:
     self.key, self.value = plain.key(value), value
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, _Value) and self.key == other.key
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return hash(self.key)
 
 
@@ -40,13 +44,13 @@ class _Ref:
   """Any other value (a class, a config object, a function): compared by identity."""
   __slots__ = ("value",)
 
-  def __init__(self, value):
+  def __init__(self, value: Any) -> None:
     self.value = value
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, _Ref) and self.value is other.value
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return id(self.value)
 
 
@@ -61,11 +65,11 @@ class Snapshot:
     (1, True)
   """
 
-  def __init__(self, state, tensors):
+  def __init__(self, state: Hashable, tensors: Sequence[Any]) -> None:
     self.state, self.tensors = state, list(tensors)
 
   @classmethod
-  def of(cls, obj, inputs=None):
+  def of(cls, obj: object, inputs: Sequence[Any] | None = None) -> Snapshot:
     """The snapshot of `obj`; with `inputs` (the tensors of an earlier snapshot), a tensor that
     is one of them is recorded by its position instead of as a new child."""
     walk = _Walk({id(t): i for i, t in enumerate(inputs or ())})
@@ -80,10 +84,11 @@ class _Walk:
   """One description of an object's state: new tensors collected in order, tensors that are
   among `known` (an earlier snapshot's) recorded by position."""
 
-  def __init__(self, known):
-    self.known, self.tensors = known, []
+  def __init__(self, known: dict[int, int]) -> None:
+    self.known = known
+    self.tensors: list[torch.Tensor] = []
 
-  def describe(self, value, depth):
+  def describe(self, value: Any, depth: int) -> tuple:
     if isinstance(value, torch.Tensor):
       if id(value) in self.known:
         return ("input", self.known[id(value)])
@@ -104,7 +109,8 @@ class _Walk:
     return ("object", _Ref(type(value)), attrs)
 
 
-def _build(desc, inputs, tensors, device=None):
+def _build(desc: Any, inputs: Sequence[Any], tensors: Iterator[Any],
+           device: torch.device | None = None) -> Any:
   """The value `desc` describes, with tensors taken in order from the iterator `tensors` (and
   `inputs[i]` for ("input", i)); torchax's device in plain values becomes `device`."""
   kind = desc[0]
@@ -130,13 +136,14 @@ def _build(desc, inputs, tensors, device=None):
   return obj
 
 
-def _fill(obj, desc, inputs, tensors, device):
+def _fill(obj: object, desc: Any, inputs: Sequence[Any], tensors: Iterator[Any],
+          device: torch.device | None) -> None:
   state = {name: _build(d, inputs, tensors, device) for name, d in desc[2]}
   vars(obj).clear()
   vars(obj).update(state)
 
 
-def materialize(snapshot):
+def materialize(snapshot: Snapshot) -> Any:
   """A new object with the snapshot's state (inside a trace: its tensors are traced ones).
 
   Example:
@@ -148,7 +155,7 @@ def materialize(snapshot):
   return _build(snapshot.state, snapshot.tensors, iter(snapshot.tensors))
 
 
-def may_hold_state(leaf) -> bool:
+def may_hold_state(leaf: object) -> bool:
   """Whether an argument leaf is an object that `box` looks into (not a tensor, plain value,
   module, class or function).
 
@@ -162,13 +169,13 @@ def may_hold_state(leaf) -> bool:
               or plain.is_plain(leaf))
 
 
-def _is_cache(obj):
+def _is_cache(obj: object) -> bool:
   """A Hugging Face `Cache` (created empty, filled by the layers), when transformers is loaded."""
   cache_utils = sys.modules.get("transformers.cache_utils")
   return cache_utils is not None and isinstance(obj, cache_utils.Cache)
 
 
-def box(tree):
+def box(tree: PyTree) -> tuple[PyTree, list[tuple[object, Snapshot]]]:
   """`(tree, boxed)`: `tree` with every argument object that holds tensors (or is a Hugging Face
   `Cache`) replaced by its `Snapshot`; `boxed` lists `(object, snapshot)`. Other objects stay
   static values.
@@ -183,7 +190,7 @@ def box(tree):
   jax = runtime.jax_module()
   _register()
   leaves, treedef = jax.tree.flatten(tree)
-  boxed = []
+  boxed: list[tuple[object, Snapshot]] = []
   for i, leaf in enumerate(leaves):
     if not may_hold_state(leaf):
       continue
@@ -205,7 +212,7 @@ def box(tree):
 _FAST_PLAIN = (int, float, bool, str, type(None))
 
 
-def summary(obj, snapshot):
+def summary(obj: object, snapshot: Snapshot) -> str:
   """How an argument object was passed, for re-trace reasons.
 
   Example:
@@ -214,12 +221,12 @@ def summary(obj, snapshot):
     >>> summary(cache, Snapshot.of(cache))
     'SimpleNamespace passed as its state: 1 tensors [(2, 3)]'
   """
-  shapes = [tuple(t.shape) for t in snapshot.tensors]
+  shapes: list[object] = [tuple(t.shape) for t in snapshot.tensors]
   return (f"{type(obj).__name__} passed as its state: {len(shapes)} tensors "
           f"{shapes if len(shapes) <= 4 else shapes[:4] + ['...']}")
 
 
-def has_snapshots(tree):
+def has_snapshots(tree: PyTree) -> bool:
   """Whether `tree` holds a `Snapshot` (then the traced function must be `functionalized`).
 
   Example:
@@ -231,7 +238,7 @@ def has_snapshots(tree):
       tree, is_leaf=lambda x: isinstance(x, Snapshot)))
 
 
-def functionalized(fn):
+def functionalized(fn: Callable) -> Callable[..., tuple[Any, list[Snapshot]]]:
   """`fn` on materialized copies of the snapshots in its arguments, returning `(outputs, after)`:
   `after` holds each copy's state after the call, new tensors as children.
 
@@ -248,23 +255,24 @@ def functionalized(fn):
   jax = runtime.jax_module()
   is_snapshot = lambda x: isinstance(x, Snapshot)  # noqa: E731
 
-  def run(*args, **kwargs):
-    pairs = []
+  def run(*args: Any, **kwargs: Any) -> tuple[Any, list[Snapshot]]:
+    pairs: list[tuple[Snapshot, Any]] = []
 
-    def live(x):
+    def live(x: Any) -> Any:
       if not is_snapshot(x):
         return x
       pairs.append((x, materialize(x)))
       return pairs[-1][1]
 
-    args, kwargs = jax.tree.map(live, (args, kwargs), is_leaf=is_snapshot)
-    outputs = fn(*args, **kwargs)
+    live_args, live_kwargs = jax.tree.map(live, (args, kwargs), is_leaf=is_snapshot)
+    outputs = fn(*live_args, **live_kwargs)
     return outputs, [Snapshot.of(obj, inputs=snap.tensors) for snap, obj in pairs]
 
   return run
 
 
-def write_back(boxed, after, device):
+def write_back(boxed: Sequence[tuple[object, Snapshot]], after: Sequence[Snapshot],
+               device: torch.device) -> None:
   """Sets each boxed object's state to its copy's state after the call (in place, so the caller's
   object is the one that changed); `after` holds the output snapshots with XLA tensors.
 
@@ -284,11 +292,11 @@ class Packed:
   """Outputs in a structure only torch's pytrees know (a Hugging Face `ModelOutput`), as a JAX
   pytree: `leaves` are the children, objects among them (a cache) as `Snapshot`s."""
 
-  def __init__(self, spec, leaves):
+  def __init__(self, spec: _Ref, leaves: Sequence[Any]) -> None:
     self.spec, self.leaves = spec, list(leaves)
 
 
-def pack_outputs(outputs):
+def pack_outputs(outputs: Any) -> Any:
   """`outputs` as JAX can flatten them: unchanged when JAX's pytrees see only tensors and plain
   values, else a `Packed` of torch's flattening with argument-like objects as snapshots.
 
@@ -305,7 +313,7 @@ def pack_outputs(outputs):
   return Packed(_Ref(spec), [Snapshot.of(x) if may_hold_state(x) else x for x in leaves])
 
 
-def _flatten_packed(packed):
+def _flatten_packed(packed: Packed) -> tuple[list, tuple[_Ref, tuple]]:
   """Children: the tensors and snapshots; the other leaves (plain values, ...) are static."""
   children = [x for x in packed.leaves if isinstance(x, (torch.Tensor, Snapshot)) or
               hasattr(x, "dtype") and hasattr(x, "shape") and not plain.is_plain(x)]
@@ -315,13 +323,13 @@ def _flatten_packed(packed):
   return children, (packed.spec, static)
 
 
-def _unflatten_packed(aux, children):
+def _unflatten_packed(aux: tuple[_Ref, tuple], children: Sequence[Any]) -> Packed:
   spec, static = aux
-  children = iter(children)
-  return Packed(spec, [next(children) if s is None else s.value for s in static])
+  child_it = iter(children)
+  return Packed(spec, [next(child_it) if s is None else s.value for s in static])
 
 
-def packing(fn):
+def packing(fn: Callable) -> Callable:
   """`fn` with its outputs passed through `pack_outputs`.
 
   Example:
@@ -331,7 +339,7 @@ def packing(fn):
   return lambda *args, **kwargs: pack_outputs(fn(*args, **kwargs))
 
 
-def has_packed(tree):
+def has_packed(tree: PyTree) -> bool:
   """Whether `tree` holds a `Packed` (then the call's outputs need `unpack_outputs`).
 
   Example:
@@ -344,7 +352,7 @@ def has_packed(tree):
       tree, is_leaf=lambda x: isinstance(x, Packed)))
 
 
-def unpack_outputs(outputs, device):
+def unpack_outputs(outputs: PyTree, device: torch.device) -> PyTree:
   """Undoes `pack_outputs` on the call's outputs (snapshots become objects again).
 
   Example:
@@ -353,7 +361,7 @@ def unpack_outputs(outputs, device):
   """
   jax = runtime.jax_module()
 
-  def unpack(x):
+  def unpack(x: Any) -> Any:
     if not isinstance(x, Packed):
       return x
     leaves = [_build(l.state, l.tensors, iter(l.tensors), device) if isinstance(l, Snapshot)
@@ -364,7 +372,7 @@ def unpack_outputs(outputs, device):
 
 
 @threads.once
-def _register():
+def _register() -> None:
   jax = runtime.jax_module()
   jax.tree_util.register_pytree_node(Snapshot, lambda s: (s.tensors, s.state),
                                      lambda state, tensors: Snapshot(state, tensors))

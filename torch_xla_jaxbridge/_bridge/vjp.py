@@ -5,6 +5,10 @@ the backward half on them as a second node. With a remat policy, the recomputati
 conditional XLA cannot fold, so it happens once the cotangents exist and is not merged with the
 forward it repeats.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
 import torch
 
 from torch_xla_jaxbridge import errors
@@ -13,8 +17,12 @@ from torch_xla_jaxbridge._bridge.spec import Residuals
 from torch_xla_jaxbridge._compat import jax_private
 from torch_xla_jaxbridge._core import call, dtypes, recompute, runtime, sharding
 
+if TYPE_CHECKING:
+  from torch_xla_jaxbridge._bridge.bridging import Bridged
+  from torch_xla_jaxbridge._bridge.spec import Spec
 
-def forward_half(run, policy, diff):
+
+def forward_half(run: Callable, policy: Callable | None, diff: Sequence[Any]) -> tuple:
   """The forward half of `jax.vjp` of `run(*diff)` (in `jax.checkpoint` under `policy`):
   `(floats, others, mutated, (Residuals, computed residuals), layout)` for `run`'s outputs
   `(floats, (others, mutated, layout))`."""
@@ -29,7 +37,7 @@ def forward_half(run, policy, diff):
   # returned by the forward: that would add an output, and a copy, per parameter
   position = {id(x): i for i, x in enumerate(diff)}
   used = sorted({position[id(r)] for r in residuals if id(r) in position})
-  index = {p: i for i, p in enumerate(used)}
+  index: dict[int | None, int] = {p: i for i, p in enumerate(used)}
   sources = tuple(index.get(position.get(id(r))) for r in residuals)
   computed = [r for r, source in zip(residuals, sources) if source is None]
   on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
@@ -40,15 +48,16 @@ def forward_half(run, policy, diff):
   return floats, others, mutated, (kept, computed), layout
 
 
-def backward_half(saved, inputs, cotangents):
+def backward_half(saved: tuple[Residuals, list], inputs: Sequence[Any],
+                  cotangents: Sequence[Any]) -> Any:
   """The backward half: gradients of the differentiable inputs, from the forward's residuals."""
   jax = runtime.jax_module()
   kept, computed = saved
-  computed = [dtypes.restore(jax, r, d) for r, d in zip(computed, kept.dtypes)]
+  restored = [dtypes.restore(jax, r, d) for r, d in zip(computed, kept.dtypes)]
   # an offloaded residual arrives as it left the forward, in host memory; the vjp moves it back
-  computed = iter([jax.device_put(r, jax.memory.Space.Host) if host else r
-                   for r, host in zip(computed, kept.on_host)])
-  residuals = [next(computed) if source is None else inputs[source] for source in kept.sources]
+  arrived = iter([jax.device_put(r, jax.memory.Space.Host) if host else r
+                  for r, host in zip(restored, kept.on_host)])
+  residuals = [next(arrived) if source is None else inputs[source] for source in kept.sources]
   vjp = lambda r, c: kept.tree.unflatten(r)(c)  # noqa: E731
   cotangents = list(cotangents)
   if kept.sequenced and any(c.size for c in cotangents):
@@ -59,7 +68,8 @@ def backward_half(saved, inputs, cotangents):
 class VjpFunction(torch.autograd.Function):
 
   @staticmethod
-  def forward(ctx, bridged, spec, key_data, holder, other, *diff):
+  def forward(ctx: Any, bridged: Bridged, spec: Spec, key_data: torch.Tensor, holder: list,
+              other: tuple, *diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if bridged.offloads and runtime.lowering_platform() == "cpu":
       remat_policies.warn_offload_dropped("cpu")
     floats, others, mutated, saved, layout = call.call_jax(
@@ -76,7 +86,7 @@ class VjpFunction(torch.autograd.Function):
     return tuple(floats)
 
   @staticmethod
-  def backward(ctx, *cotangents):
+  def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:
     try:
       tensors = list(ctx.saved_tensors)
       saved = (ctx.kept, tensors[ctx.inputs:])

@@ -4,9 +4,11 @@
 computes, lowers them as torch_xla does (`IrToHlo`, with a sync's input/output aliasing of
 in-place updated tensors), compiles that module with XLA and returns its `CompiledMemoryStats`.
 """
+from __future__ import annotations
+
 import dataclasses
 import gc
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -29,13 +31,13 @@ class MemoryReport:
     """Arguments + outputs - aliased + temp: the program's peak footprint as XLA assigns it."""
     return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
-  def __str__(self):
+  def __str__(self) -> str:
     rows = [("arguments", self.argument_bytes), ("outputs", self.output_bytes),
             ("aliased", self.alias_bytes), ("temp", self.temp_bytes), ("total", self.total_bytes)]
     return "\n".join(f"{name:<10} {value:>14,d} B" for name, value in rows)
 
 
-def _xla_tensors(objects):
+def _xla_tensors(objects: Iterable[object]) -> dict[Any, tuple[torch.Tensor, Any]]:
   found = {}
   for obj in objects:
     if isinstance(obj, torch.Tensor) and _on_xla(obj):
@@ -47,7 +49,7 @@ def _xla_tensors(objects):
   return found
 
 
-def _on_xla(tensor):
+def _on_xla(tensor: torch.Tensor) -> bool:
   try:
     return tensor.device.type == "xla"
   except RuntimeError:  # "tensor does not have a device": garbage not yet collected
@@ -121,12 +123,12 @@ def compiled_memory(hlo_proto: bytes, aliases: list, outputs: int = 2) -> Any:
 class _quiet:
   """Silences torch's warnings while every tensor's `.grad` is read (non-leaf, deprecated ...)."""
 
-  def __enter__(self):
+  def __enter__(self) -> None:
     import warnings
 
     self._catch = warnings.catch_warnings()
     self._catch.__enter__()
     warnings.simplefilter("ignore")
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: Any) -> None:
     return self._catch.__exit__(*exc)

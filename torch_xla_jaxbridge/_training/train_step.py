@@ -6,7 +6,9 @@ JAX function, so a step adds one `call_jax` node to the LazyTensor graph instead
 backward and an optimizer node (and the autograd engine's work between them): the least host
 time per step.
 """
-from typing import Any, Callable, Union
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,11 +23,11 @@ from torch_xla_jaxbridge._core import call, layer_loops, recompute, runtime, sha
 LOOP_FROM = 8
 
 
-class TrainStep:
+class TrainStep:  # size: its annotated signatures (typed core, issue 39) took it over 120
   """A training step made by `train_step`: call it with the loss function's arguments."""
 
   def __init__(self, loss_fn: Callable, optimizer: optim.RuleOptimizer,
-               remat: remat_policies.RematArg, fallback: bool, layer_loop: Union[bool, int]):
+               remat: remat_policies.RematArg, fallback: bool, layer_loop: bool | int) -> None:
     if not isinstance(optimizer, optim.RuleOptimizer):
       raise errors.UsageError(
           f"train_step: optimizer is a {type(optimizer).__name__}; the one-node step runs the "
@@ -33,9 +35,11 @@ class TrainStep:
           f"those, or call loss.backward() and optimizer.step() for other optimizers.")
     self.bridged = bridging.Bridged(loss_fn, remat=remat)
     self.optimizer, self.name, self.fallback = optimizer, self.bridged.name, fallback
-    self.layer_loop, self._roots = layer_loop, None  # _roots: in a step, the loss's modules
+    self.layer_loop = layer_loop
+    self._roots: Callable[[], list] | None = None  # in a step, the loss's modules
     self.looped: tuple = ()  # the length of each run of layer calls the last trace looped
-    self._groups_key = self._diff_ids = None  # what `_trained` and `_order` were made for
+    self._groups_key: tuple | None = None  # what `_trained` and `_order` were made for
+    self._diff_ids: tuple | None = None
     self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
                                      lambda: self.bridged.traces)
 
@@ -43,7 +47,7 @@ class TrainStep:
     # through optimizer.step(), so its hooks run and LR schedulers see an optimizer step
     return self.optimizer.step_running(lambda: self._step_or_fall_back(args, kwargs))
 
-  def _step_or_fall_back(self, args, kwargs):
+  def _step_or_fall_back(self, args: tuple, kwargs: dict) -> torch.Tensor:
     if not self.outcome.fell_back:
       ran, loss = rollback.attempt(lambda: self._run(args, kwargs),
                                    lambda: rollback.region_of(self.bridged.fn, args, kwargs),
@@ -52,7 +56,7 @@ class TrainStep:
         return loss
     return self._plain_step(args, kwargs)
 
-  def _plain_step(self, args, kwargs):
+  def _plain_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
     """The step as plain LazyTensor code with the modules the loss reads bridged one by one:
     the loss, its gradients by autograd (never in `p.grad`), the optimizer's one-node update."""
     settings = auto.Settings(self.outcome.name, None, self.fallback)
@@ -66,7 +70,7 @@ class TrainStep:
     self.optimizer.apply_gradients([p for p, _ in used], [g for _, g in used])
     return loss.detach()
 
-  def _run(self, args, kwargs):
+  def _run(self, args: tuple, kwargs: dict) -> torch.Tensor:
     spec.register_static_pytree()
     bridged, optimizer = self.bridged, self.optimizer
     trained = self._trained()
@@ -103,7 +107,7 @@ class TrainStep:
     optimizer.take(params, update)
     return loss
 
-  def _trained(self):
+  def _trained(self) -> set[int]:
     """The ids of the optimizer's parameters (kept while its groups stay as they are)."""
     groups = self.optimizer.param_groups
     key = tuple((id(g["params"]), len(g["params"])) for g in groups)
@@ -112,7 +116,7 @@ class TrainStep:
       self._trained_ids = {id(p) for group in groups for p in group["params"]}
     return self._trained_ids
 
-  def _order(self, diff):
+  def _order(self, diff: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """The optimizer's parameters among `diff` in `param_groups` order, and each one's position
     in `diff` (kept while `diff` holds the same parameters)."""
     ids = tuple(map(id, diff))
@@ -123,10 +127,11 @@ class TrainStep:
       self._diff_ids, self._ordered = ids, (params, tuple(order[id(p)] for p in params))
     return self._ordered
 
-  def _step(self, spec_, diff, other, key_data, states, scalars, *, positions, **statics):
+  def _step(self, spec_: spec.Spec, diff: Sequence[Any], other: Sequence[Any], key_data: Any,
+            states: list, scalars: Any, *, positions: tuple[int, ...], **statics: Any) -> tuple:
     jax = runtime.jax_module()
 
-    def loss_of(*d):
+    def loss_of(*d: Any) -> tuple[Any, tuple]:
       floats, aux = self.bridged.run(spec_, d, other, key_data)
       layout = aux[2]
       if layout.kinds != (True,) or floats[0].shape != ():
@@ -149,16 +154,17 @@ class TrainStep:
     return loss, optim.apply_rule(params, grads, states, scalars, **statics), aux
 
 
-def _looped(step, loss_of, diff):
+def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any]) -> Callable:
   """`loss_of` with its runs of at least `LOOP_FROM` (or `layer_loop`) identical layer calls as
   loops; sets `step.looped`."""
   least = LOOP_FROM if step.layer_loop is True else step.layer_loop
+  assert step._roots is not None  # set by `_run` around the step's trace
   found = layer_loops.scanned(loss_of, list(diff), step._roots(), least)
   step.looped = tuple(len(c.segments) for c in found[1]) if found else ()
   return found[0] if found else loss_of
 
 
-def _nothing_trained(name, fn, args):
+def _nothing_trained(name: str, fn: Callable, args: tuple) -> errors.UsageError:
   return errors.UsageError(
       f"train_step: none of the tensors {name} reads (its arguments, and what it captures: "
       f"{_captured(args)}) is a parameter of the optimizer.{captures.hint(fn)} Pass the model as "
@@ -167,7 +173,7 @@ def _nothing_trained(name, fn, args):
       f"= trainer.model`, then `lambda batch: model(**batch).loss`).")
 
 
-def _captured(args):
+def _captured(args: tuple) -> str:
   """The modules and tensors a call's `Lifted` first argument holds, by name, for an error."""
   if not (args and isinstance(args[0], captures.Lifted)):
     return "no module or tensor"
@@ -177,7 +183,7 @@ def _captured(args):
 
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
                remat: remat_policies.RematArg = None, fallback: bool = True,
-               layer_loop: Union[bool, int] = True) -> TrainStep:
+               layer_loop: bool | int = True) -> TrainStep:
   """One training step as one graph node: `loss_fn`'s loss, its gradients with respect to the
   optimizer's parameters, and the optimizer's update.
 

@@ -42,10 +42,22 @@ def package_of(module):
   return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports(path):
-  """`(module, names, line)` for each import of the package anywhere in `path`."""
+def _type_checking_only(tree):
+  """The nodes under `if TYPE_CHECKING:` blocks of `tree`: imports for annotations only."""
+  return {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+          and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+          for stmt in node.body for inner in ast.walk(stmt)}
+
+
+def imports(path, runtime_only=False):
+  """`(module, names, line)` for each import of the package anywhere in `path` (`runtime_only`:
+  not those under `if TYPE_CHECKING:`, which annotations read and Python never runs)."""
   found = []
-  for node in ast.walk(ast.parse(path.read_text())):
+  tree = ast.parse(path.read_text())
+  skipped = _type_checking_only(tree) if runtime_only else set()
+  for node in ast.walk(tree):
+    if id(node) in skipped:
+      continue
     if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == NAME:
       found.append((node.module, [a.name for a in node.names], node.lineno))
     elif isinstance(node, ast.Import):
@@ -64,9 +76,9 @@ def resolve(module, names):
   return out
 
 
-def import_graph():
-  return {module_name(p): set().union(*[resolve(m, n) for m, n, _ in imports(p)] or [set()])
-          - {module_name(p)} for p in PACKAGE.rglob("*.py")}
+def import_graph(runtime_only=False):
+  return {module_name(p): set().union(*[resolve(m, n) for m, n, _ in imports(p, runtime_only)]
+                                      or [set()]) - {module_name(p)} for p in PACKAGE.rglob("*.py")}
 
 
 def find_cycle(graph):
@@ -100,7 +112,7 @@ def without_package_inits(graph):
 
 
 def test_the_import_graph_has_no_cycle():
-  graph = without_package_inits(import_graph())
+  graph = without_package_inits(import_graph(runtime_only=True))
   assert f"{NAME}._core.tracing" in graph
   cycle = find_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -271,7 +283,8 @@ def foreign_private_uses(path, own):
         continue
       if not _is_op_namespace(node):
         found.append(f"{where}: {ast.unparse(node)}")
-    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] != NAME:
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] not in (
+        NAME, "__future__"):
       if any(p.startswith("_") for p in node.module.split(".") + [a.name for a in node.names]) \
           or _sealed(node.module):
         found.append(f"{where}: from {node.module} import ...")
@@ -401,3 +414,54 @@ def test_every_public_function_and_class_is_typed():
 
 def test_the_package_says_it_is_typed():
   assert (PACKAGE / "py.typed").exists()
+
+
+TYPED_PACKAGES = ("_core", "_bridge", "_training")  # every function annotated (mypy.ini: strict)
+
+
+def untyped_definitions(tree, where):
+  """`where:line: name (what)` for each function in `tree` with an unannotated parameter (a
+  method's `self`/`cls` aside) or no return annotation (`__init__` aside)."""
+  methods = {id(f) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+             for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  found = []
+  for node in ast.walk(tree):
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    args = node.args
+    params = [*args.posonlyargs, *args.args]
+    static = any(ast.unparse(d) == "staticmethod" for d in node.decorator_list)
+    if id(node) in methods and not static and params:
+      params = params[1:]
+    params += [*args.kwonlyargs, *[a for a in (args.vararg, args.kwarg) if a is not None]]
+    missing = [a.arg for a in params if a.annotation is None]
+    if node.returns is None and node.name != "__init__":
+      missing.append("return")
+    if missing:
+      found.append(f"{where}:{node.lineno}: {node.name} ({', '.join(missing)})")
+  return found
+
+
+def test_every_function_of_the_typed_packages_is_annotated():
+  offenders = []
+  for package in TYPED_PACKAGES:
+    for path in sorted((PACKAGE / package).glob("*.py")):
+      offenders += untyped_definitions(ast.parse(path.read_text()), path.relative_to(ROOT))
+  assert not offenders, "functions without annotations:\n" + "\n".join(offenders)
+
+
+def test_the_annotation_check_finds_them():
+  sample = ast.parse("class A:\n  def m(self, x: int) -> None: ...\n  @staticmethod\n"
+                     "  def s(ctx, y: int) -> int: ...\n  def __init__(self, z): ...\n"
+                     "def f(a: int, *rest, k: int = 1, **more: int):\n  def inner(b) -> int: ...\n")
+  assert sorted(untyped_definitions(sample, "s")) == [
+      "s:4: s (ctx)", "s:5: __init__ (z)", "s:6: f (rest, return)", "s:7: inner (b)"]
+
+
+def test_one_optional_style():
+  """`X | None` and `A | B` (Python 3.10+), never `Optional[X]` or `Union[A, B]`."""
+  offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+               for path in sorted(PACKAGE.rglob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"\b(Optional|Union)\[", line)]
+  assert not offenders, "write `X | None` / `A | B`:\n" + "\n".join(offenders)

@@ -4,7 +4,9 @@
 As in `jax_private`: each says why the package needs it and the public alternative where one
 exists; `test/test_compat.py` checks each directly.
 """
-from typing import Any, Callable, Optional
+from __future__ import annotations
+
+from typing import Any, Callable
 
 from torch_xla_jaxbridge._compat.jax_private import _jax
 
@@ -85,7 +87,7 @@ def conv_general_dilated_primitive() -> Any:
   return convolution.conv_general_dilated_p
 
 
-def generic_lowering_rule(primitive: Any) -> Optional[Callable]:
+def generic_lowering_rule(primitive: Any) -> Callable | None:
   """`primitive`'s lowering rule for any platform (the one a platform without its own uses), or
   None where it has none. Breaks if JAX renames its lowering table: `test_compat` checks.
   Public alternative: none (`mlir.register_lowering` writes the table but cannot read it).

@@ -3,7 +3,9 @@
 Each says why the package needs it and the public alternative where one exists;
 `test/test_compat.py` checks each directly, so a JAX version bump fails there by name.
 """
-from typing import Any, Callable, Iterator, Optional
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
 
 
 def _jax():
@@ -142,7 +144,7 @@ def _nested_jaxprs(values: list) -> Iterator:
       yield from _nested_jaxprs(list(value))
 
 
-def dlpack_cpu_import() -> Optional[Callable]:
+def dlpack_cpu_import() -> Callable | None:
   """JAX's own DLPack import onto its CPU device, or None where this JAX lacks it. The public
   `jax.dlpack.from_dlpack` wraps it in conversions that cost an order of magnitude more host time
   per call (docs/performance.md).

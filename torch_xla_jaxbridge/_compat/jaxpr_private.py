@@ -3,12 +3,14 @@ function each: how `_core.layer_chains` compares traced layer calls and runs a p
 
 `test/test_compat.py` checks each directly, so a JAX version bump fails there by name.
 """
-from typing import Any, Callable, Optional
+from __future__ import annotations
+
+from typing import Any, Callable
 
 from torch_xla_jaxbridge._compat.jax_private import _jax
 
 
-def outer_scope(eqn: Any, prefix: str) -> Optional[str]:
+def outer_scope(eqn: Any, prefix: str) -> str | None:
   """The outermost name scope (`jax.named_scope`) starting with `prefix` that a jaxpr equation
   was traced in, or None. Reads `source_info.name_stack.stack`, JAX's internal record of scopes
   (public alternative: none; the printed name stack joins scopes with "/").
@@ -67,7 +69,7 @@ def jaxpr_consts(value: Any) -> list:
   return list(getattr(value, "consts", ()))
 
 
-def function_code(value: Any) -> Optional[tuple]:
+def function_code(value: Any) -> tuple | None:
   """The code of a function-valued equation parameter (a plain function, a partial, or JAX's
   wrapped function of a custom rule), with the code of the functions it closes over; None for
   other values. Two parameters with equal code compute alike where their jaxprs are equal.

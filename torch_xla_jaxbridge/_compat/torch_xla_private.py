@@ -4,8 +4,10 @@ torch_xla has no public Python API for a user-computation IR node, a computation
 proto, a tensor's sharding proto, or replacing a tensor's data. Each function says what breaks if
 its entry point changes; `test/test_compat.py` checks each one directly.
 """
+from __future__ import annotations
+
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -201,7 +203,7 @@ def pending_graph(tensors: Sequence[torch.Tensor]) -> tuple:
   return proto, list(ids), [tuple(getattr(v, "shape", ())) for v in values]
 
 
-def tensor_state(tensor: torch.Tensor) -> Optional[tuple]:
+def tensor_state(tensor: torch.Tensor) -> tuple | None:
   """`(tensor_id, alias_id, pending)` of an XLA tensor: its torch_xla id, the id of the device data
   an in-place update of it replaces (a sync aliases that input to this output), and whether it
   holds a graph still to run; None for a tensor on the device that torch_xla does not hold. Read

@@ -8,8 +8,10 @@ the traced tensors to torchax's own environment, which keeps a traced random key
 through the enclosing call's `jax.vjp`. Other threads, and calls outside a trace, get torch_xla's
 own function unchanged.
 """
+from __future__ import annotations
+
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch_xla_jaxbridge._core import call, patching, tracing
 
@@ -18,8 +20,8 @@ from torch_xla_jaxbridge._core import call, patching, tracing
 _MODULES = ("torch_xla.core.xla_builder", "torch_xla.experimental.splash_attention")
 
 
-def _call_jax(jax_func: Callable, args: tuple, kwargs: Optional[dict] = None,
-              name: Optional[str] = None, override_hash: Any = None) -> Any:
+def _call_jax(jax_func: Callable, args: tuple, kwargs: dict | None = None,
+              name: str | None = None, override_hash: Any = None) -> Any:
   """torch_xla's signature; in a thread that traces bridged code it is `jb.call_jax` (no cache
   is involved there, so `override_hash` has nothing to do), elsewhere torch_xla's own."""
   if not _CALL_JAX.active():

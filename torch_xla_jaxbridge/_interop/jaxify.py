@@ -1,5 +1,7 @@
 """`jaxify`: torch code as a pure JAX function, so `jax.grad`, `jax.jit` and `jax.vmap` apply."""
-from typing import Any, Callable, Union
+from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 
@@ -7,7 +9,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import modules, rng, runtime, tracing
 
 
-def jaxify(fn_or_module: Union[torch.nn.Module, Callable]) -> tuple[Callable, dict[str, Any]]:
+def jaxify(fn_or_module: torch.nn.Module | Callable) -> tuple[Callable, dict[str, Any]]:
   """Converts a torch module or function into `(jax_fn, params)`.
 
   For a module, `params` is a dict of its parameters and buffers as `jax.Array`s (by name) and

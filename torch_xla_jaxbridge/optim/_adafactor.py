@@ -1,5 +1,7 @@
 """`jb.optim.Adafactor`: torch.optim.Adafactor's update (factored second moments) as a rule."""
-from typing import Iterable, Optional
+from __future__ import annotations
+
+from typing import Iterable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import runtime
@@ -80,7 +82,7 @@ class Adafactor(RuleOptimizer):
 
   def __init__(self, params: Iterable, lr: float = 1e-2, beta2_decay: float = -0.8,
                eps: tuple = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0, *,
-               maximize: bool = False, max_grad_norm: Optional[float] = None):
+               maximize: bool = False, max_grad_norm: float | None = None):
     if not (lr >= 0 and beta2_decay <= 0 and (eps[0] is None or eps[0] >= 0) and eps[1] >= 0
             and d >= 1 and weight_decay >= 0):
       raise errors.BadArgumentError(

@@ -1,5 +1,7 @@
 """`jb.optim.AdamW`: torch.optim.AdamW's update as a rule."""
-from typing import Iterable, Optional
+from __future__ import annotations
+
+from typing import Iterable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import runtime
@@ -67,7 +69,7 @@ class AdamW(RuleOptimizer):
 
   def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-               maximize: bool = False, max_grad_norm: Optional[float] = None):
+               maximize: bool = False, max_grad_norm: float | None = None):
     if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
       raise errors.BadArgumentError(
           f"AdamW: needs lr, eps, weight_decay >= 0 and 0 <= beta < 1; got lr={lr}, eps={eps}, "

@@ -8,10 +8,12 @@ made when read, so they follow later steps and an in-place change of one reaches
 with torch's own state tensors; `state[p][name] = tensor` (or a loaded state dict) makes the
 next step build new buffers from the values.
 """
+from __future__ import annotations
+
 import math
 import weakref
 from collections.abc import MutableMapping
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -97,7 +99,7 @@ class FlatState(MutableMapping):
     ([0.0, 1.0], ['exp_avg'], False)
   """
 
-  def __init__(self, owner: FlatBuffers, index: int, step: Optional[torch.Tensor]):
+  def __init__(self, owner: FlatBuffers, index: int, step: torch.Tensor | None):
     self.owner, self.index, self.step = owner, index, step
     self.given: dict = {}  # names set (or deleted: None) since the buffers were made
     self._views: dict = {}  # name -> weak reference to the view handed out last

@@ -1,6 +1,8 @@
 """`jb.optim.Lion`: the Lion optimizer (Chen et al. 2023, "Symbolic Discovery of Optimization
 Algorithms") as a rule: the sign of an interpolated momentum, with decoupled weight decay."""
-from typing import Iterable, Optional
+from __future__ import annotations
+
+from typing import Iterable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import runtime
@@ -49,7 +51,7 @@ class Lion(RuleOptimizer):
 
   def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple = (0.9, 0.99),
                weight_decay: float = 0.0, *, maximize: bool = False,
-               max_grad_norm: Optional[float] = None):
+               max_grad_norm: float | None = None):
     if not (lr >= 0 and weight_decay >= 0 and all(0 <= b <= 1 for b in betas)):
       raise errors.BadArgumentError(
           f"Lion: needs lr, weight_decay >= 0 and 0 <= beta <= 1; got lr={lr}, "

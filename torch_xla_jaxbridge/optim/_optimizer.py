@@ -7,7 +7,9 @@ float32 device input, so torch's LR schedulers never re-trace. Each parameter an
 then takes its new value in place (written over its old buffer), as torch's optimizers update
 theirs, so `state_dict()` is torch's layout and holders of it see later steps.
 """
-from typing import Any, Callable, Iterable, Optional
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -50,19 +52,19 @@ class RuleOptimizer(TorchLayout):
   """
 
   def __init__(self, params: Iterable, defaults: dict, *,
-               max_grad_norm: Optional[float] = None):
+               max_grad_norm: float | None = None):
     if max_grad_norm is not None and not max_grad_norm > 0:
       raise errors.BadArgumentError(
           f"{type(self).__name__}: max_grad_norm={max_grad_norm}; give a positive norm, or None "
           f"for no clipping.")
     super().__init__(params, defaults)
     self.max_grad_norm = max_grad_norm
-    self.grad_norm: Optional[torch.Tensor] = None
-    self._update: Optional[Callable[[], Any]] = None  # `step_running`'s, for one step()
-    self._plan: Optional[Plan] = None  # `prepare`'s, committed by `take`
+    self.grad_norm: torch.Tensor | None = None
+    self._update: Callable[[], Any] | None = None  # `step_running`'s, for one step()
+    self._plan: Plan | None = None  # `prepare`'s, committed by `take`
 
   @torch.no_grad()
-  def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+  def step(self, closure: Callable[[], Any] | None = None) -> Any:
     """Updates every parameter that has a gradient; returns the closure's loss, if given."""
     if self._update is not None:  # `step_running`'s update (jb.train_step's own node)
       run, self._update = self._update, None

@@ -8,8 +8,10 @@ parameters share one `step` tensor (torch's CPU count, updated in place as torch
 SPMD the states live in flat buffers (`_flat`): the step reads and writes a few tensors, not two
 or three per parameter.
 """
+from __future__ import annotations
+
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,7 +26,7 @@ class Row:
   step: float  # the count before this step (0 for new parameters)
   first: bool  # the step that makes these parameters' state
   options: dict  # the rule's static options for them
-  step_tensor: Optional[torch.Tensor]  # shared by the row's parameters (rules that count steps)
+  step_tensor: torch.Tensor | None  # shared by the row's parameters (rules that count steps)
 
 
 @dataclasses.dataclass
@@ -42,8 +44,8 @@ class Plan:
   row_of: tuple  # each parameter's row
   states: list  # each parameter's state tensors read by the rule (not its step); flat: buffers
   created: list  # (parameter, state) made by this plan, kept when its step is committed
-  targets: Optional[list] = None  # the parameters and states a step replaces, once checked
-  flat: Optional[FlatBuffers] = None  # the buffers holding the states (`states` is its list)
+  targets: list | None = None  # the parameters and states a step replaces, once checked
+  flat: FlatBuffers | None = None  # the buffers holding the states (`states` is its list)
   holders: list = dataclasses.field(default_factory=list)  # (parameter, FlatState) to commit
 
   def fits(self, params: list, signature: tuple, state: Any) -> bool:

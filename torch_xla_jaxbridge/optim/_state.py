@@ -1,5 +1,6 @@
 """The state of a one-node optimizer kept in torch's layout and updated in place."""
-from typing import Optional
+from __future__ import annotations
+
 
 import torch
 
@@ -15,7 +16,7 @@ class TorchLayout(torch.optim.Optimizer):
   place (written over their old buffers), so `state_dict()` loads into torch's optimizers and
   back and holders of it see later steps. Subclasses set `rule`."""
   rule: Rule
-  _plan: Optional[Plan]  # the step `prepare` made, committed by `take`
+  _plan: Plan | None  # the step `prepare` made, committed by `take`
 
   def state_dict(self) -> dict:
     """torch's layout; step counts are copies (a consumer that increments its steps in place, as

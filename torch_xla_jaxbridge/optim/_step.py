@@ -1,5 +1,7 @@
 """The step of a rule over every parameter, as one JAX function: global norm, clipping, updates."""
-from typing import Any, Optional
+from __future__ import annotations
+
+from typing import Any
 
 from torch_xla_jaxbridge._core import runtime
 from torch_xla_jaxbridge.optim._flat import FlatLayout
@@ -14,8 +16,8 @@ def _sum_of_squares(jnp, g):
 
 
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
-               names: tuple, options: tuple, clip: bool, rows: Optional[tuple] = None,
-               layout: Optional[FlatLayout] = None) -> tuple:
+               names: tuple, options: tuple, clip: bool, rows: tuple | None = None,
+               layout: FlatLayout | None = None) -> tuple:
   """New parameters, new states and the gradients' global 2-norm (before clipping) after one
   step of `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);

@@ -89,3 +89,17 @@ def test_cholesky_ex_says_which_minor_is_not_positive_definite(dev):
   with pytest.raises(jb.errors.DataDependentError, match="check_errors=True"):
     jb.bridge(lambda t: torch.linalg.cholesky_ex(t, check_errors=True), fallback=False)(
         batch.to(dev))
+
+
+def test_a_primitive_without_a_generic_lowering_keeps_its_own(monkeypatch):
+  """JAX without a platform-independent rule for a primitive: its CPU rule is left as it is (the
+  LAPACK call is then refused at lowering and the region falls back), not wrapped over None."""
+  from torch_xla_jaxbridge._compat import jax_lowering_private
+  from torch_xla_jaxbridge._core import cpu_linalg
+
+  wrapped = []
+  monkeypatch.setattr(jax_lowering_private, "generic_lowering_rule", lambda primitive: None)
+  monkeypatch.setattr(jax_lowering_private, "wrap_cpu_lowering",
+                      lambda primitive, wrap: wrapped.append(primitive))
+  cpu_linalg._install.__wrapped__()  # the set-up itself, not its run-once wrapper
+  assert wrapped == []

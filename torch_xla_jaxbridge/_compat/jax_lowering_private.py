@@ -130,7 +130,7 @@ def jaxlib_custom_call_targets() -> frozenset:
   _jax()
   import importlib
 
-  names = set()
+  names: set[str] = set()
   for module in ("lapack", "cpu_sparse", "gpu_linalg", "gpu_prng", "gpu_solver", "gpu_sparse"):
     try:
       registrations = importlib.import_module(f"jaxlib.{module}").registrations()

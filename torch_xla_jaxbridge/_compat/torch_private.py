@@ -134,7 +134,7 @@ def torch_checkpoint_target() -> Callable:
   """
   import torch.utils.checkpoint
 
-  return torch.utils.checkpoint.checkpoint.__wrapped__
+  return torch.utils.checkpoint.checkpoint.__wrapped__  # type: ignore[attr-defined]  # stubs
 
 
 def dynamo_disabled(fn: Callable) -> Callable:

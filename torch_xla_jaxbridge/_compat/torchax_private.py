@@ -23,7 +23,8 @@ def import_keeping_torch_state() -> None:
   if "torchax" in sys.modules:
     return
   rename, register = torch.utils.rename_privateuse1_backend, torch._register_device_module
-  torch.utils.rename_privateuse1_backend = lambda name: None
+  # (patches: torch's stubs name the first parameter differently)
+  torch.utils.rename_privateuse1_backend = lambda name: None  # type: ignore[assignment]
   torch._register_device_module = lambda name, module: None
   try:
     import torchax  # noqa: F401
@@ -51,9 +52,9 @@ def report_device(env_type: type, device: Any) -> None:
     original = cls.__dict__["device"]
     if getattr(original.fget, "bridge_device", False):
       continue
-    ours = property(lambda self, original=original: device if isinstance(self._env, env_type)
-                    else original.fget(self))
-    ours.fget.bridge_device = True
+    ours = property(lambda self, original=original: device  # type: ignore[misc]  # (mypy: default)
+                    if isinstance(self._env, env_type) else original.fget(self))
+    setattr(ours.fget, "bridge_device", True)
     cls.device = ours
 
 
@@ -153,7 +154,7 @@ def wrap_dispatch(env: Any, wrapper: Callable) -> None:
                                                                     kwargs)
 
 
-def operator_not_found() -> type:
+def operator_not_found() -> type[Exception]:
   """torchax's exception for an op it has no lowering for (raised by `env.dispatch`); the bridge
   catches it to run custom ops itself. If it moves, custom ops fall back to LazyTensor code.
 

@@ -89,7 +89,7 @@ def policy_for(func):
   """
   if getattr(func, "overloadpacket", None) is not None:  # an aten op overload
     name = func.name()
-    return XLA_POLICY.get(name, XLA_POLICY.get(_DECOMPOSED.get(name)))
+    return XLA_POLICY.get(name, XLA_POLICY.get(_DECOMPOSED.get(name, "")))
   name = getattr(func, "__name__", None)
   return _function_policies().get(_FUNCTION_ALIASES.get(name, name))
 

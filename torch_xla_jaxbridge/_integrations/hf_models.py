@@ -33,10 +33,11 @@ def dense_experts(selected: torch.Tensor, weights: torch.Tensor, experts: int,
   """
   combine = torch.zeros(selected.shape[0], experts, dtype=weights.dtype,
                         device=weights.device).scatter(1, selected, weights)
-  out = None
+  out: torch.Tensor | None = None
   for index in range(experts):
     term = expert_output(index) * combine[:, index, None]
     out = term if out is None else out + term
+  assert out is not None, "a layer has experts"
   return out
 
 

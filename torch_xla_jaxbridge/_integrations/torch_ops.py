@@ -30,6 +30,7 @@ def linear(input, weight, bias=None):
     torch.Size([2, 4])
   """
   tensor = tracing.torchax_tensor_type()
+  assert tensor is not None, "an override runs while torch code is traced"
   if not all(isinstance(t, tensor) for t in (input, weight, bias) if t is not None):
     out = torch.matmul(input, weight.t())  # torchax says what is wrong with the others
     return out if bias is None else out + bias
@@ -358,7 +359,7 @@ def searchsorted(sorted_sequence, input, *, out_int32=False, right=False, side=N
   jax = runtime.jax_module()
   jnp = jax.numpy
   rows = sorted_sequence.jax()
-  values = input.jax() if isinstance(input, tracing.torchax_tensor_type()) else jnp.asarray(input)
+  values = input.jax() if tracing.is_traced(input) else jnp.asarray(input)
   if sorter is not None:
     rows = jnp.take_along_axis(rows, sorter.jax(), axis=-1)
   side = side or ("right" if right else "left")

@@ -9,7 +9,7 @@ DLPack; its gradient is a second op, the `jax.vjp` of the function. Inside bridg
 trace instead.
 """
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import call, dtypes, runtime, tracing
 from torch_xla_jaxbridge._interop import dlpack
 
-_LIBRARIES = {}  # namespace -> torch.library.Library (kept alive: dropping one unregisters ops)
+# namespace -> torch.library.Library (kept alive: dropping one unregisters ops)
+_LIBRARIES: dict[str, Any] = {}
 _DEFAULT_NAMESPACE = "jaxbridge"
 
 
@@ -211,7 +212,8 @@ def _symbolic_specs(jax, lists):
   from jax import export
 
   scope = export.SymbolicScope()
-  symbols, names = {}, {}
+  symbols: dict = {}
+  names: dict = {}
   specs = []
   for ts in lists:
     row = []

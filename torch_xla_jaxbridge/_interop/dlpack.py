@@ -198,7 +198,7 @@ def _check_cpu(tensor, name):
 
 
 def _check_xla(tensor, name, cpu_name):
-  if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:
+  if not isinstance(tensor, torch.Tensor) or not tensor.is_xla:  # type: ignore[attr-defined]
     raise errors.BadArgumentError(
         f"{name}: expected an XLA tensor, got "
         f"{tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "

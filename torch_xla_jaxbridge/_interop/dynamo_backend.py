@@ -34,9 +34,10 @@ def jaxbridge_backend(graph_module, example_inputs):
 
   def run(*args):
     jax = runtime.jax_module()
-    on_xla = any(isinstance(a, torch.Tensor) and a.is_xla for a in args)
-    args = [dlpack.to_xla(a) if _is_cpu_tensor(a) else a for a in args]
-    outputs = bridged(*args)
+    on_xla = any(isinstance(a, torch.Tensor) and a.is_xla  # type: ignore[attr-defined]
+                 for a in args)
+    moved = [dlpack.to_xla(a) if _is_cpu_tensor(a) else a for a in args]
+    outputs = bridged(*moved)
     if on_xla:
       return outputs
     # the bridged call saves its inputs and residuals, never its outputs: an in-place change to

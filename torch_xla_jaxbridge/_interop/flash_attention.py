@@ -110,7 +110,8 @@ def _attention_fn():
     return out, (q, k, v, out, lse)
 
   def backward(causal, scale, block_q, block_k, interpret, saved, d_out):
-    return _backward(*saved, d_out, causal, scale, block_q, block_k, interpret)
+    q, k, v, out, lse = saved
+    return _backward(q, k, v, out, lse, d_out, causal, scale, block_q, block_k, interpret)
 
   attention.defvjp(forward, backward)
   return attention

@@ -99,6 +99,7 @@ def shard_map(fn: Callable, in_specs: Any, out_specs: Any, mesh: Any = None, *,
     outputs = saved(*arrays)
     if not torch_code:
       return outputs
+    assert rotate is not None  # made with the torch body
     rotate()
     return tracing.to_torchax(outputs)
 
@@ -141,8 +142,8 @@ def _pspec_tree(specs, where, what):
     pairs = [_pspec_tree(s, where, what) for s in specs]
     return type(specs)(p for p, _ in pairs), type(specs)(e for _, e in pairs)
   if isinstance(specs, dict):
-    pairs = {k: _pspec_tree(s, where, what) for k, s in specs.items()}
-    return {k: p for k, (p, _) in pairs.items()}, {k: e for k, (_, e) in pairs.items()}
+    by_key = {k: _pspec_tree(s, where, what) for k, s in specs.items()}
+    return {k: p for k, (p, _) in by_key.items()}, {k: e for k, (_, e) in by_key.items()}
   raise errors.UsageError(
       f"{where}: {what} holds {specs!r}; a spec is a tuple of mesh axis names or None, one per "
       f"dimension (or a jax.sharding.PartitionSpec), in a tuple, list or dict shaped like the "

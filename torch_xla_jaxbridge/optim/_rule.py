@@ -5,13 +5,41 @@ A `Rule` says how one parameter and its state change in a step; `RuleOptimizer` 
 same rule inside its own node. Adding an optimizer is one module: its rule, its optimizer class
 (the constructor's arguments and checks) and `register`.
 """
-import dataclasses
-from typing import Any, Callable, TypeVar
+from __future__ import annotations
 
-# state_shapes(shape, dtype, options) -> {name: (shape, dtype)}
-StateShapes = Callable[[tuple, Any, dict], dict]
-# update(param, grad, state, hyper, options) -> (new param, new state)
-Update = Callable[[Any, Any, dict, dict, dict], tuple]
+import dataclasses
+from typing import Any, Protocol, TypeVar
+
+# A rule's functions, by what they take and give (positional: a lambda's names are its own).
+
+
+class StateShapes(Protocol):
+  """`state_shapes(shape, dtype, options) -> {name: (shape, dtype)}`."""
+
+  def __call__(self, shape: tuple, dtype: Any, options: dict, /) -> dict: ...
+
+
+class Update(Protocol):
+  """`update(param, grad, state, hyper, options) -> (new param, new state)`, on JAX arrays."""
+
+  def __call__(self, param: Any, grad: Any, state: dict, hyper: dict, options: dict, /
+               ) -> tuple: ...
+
+
+class Hyperparameters(Protocol):
+  """`hyperparameters(group, step) -> {name: float}`, read on the host at each step."""
+
+  def __call__(self, group: dict, step: float, /) -> dict: ...
+
+
+class Options(Protocol):
+  """`options(group) -> {name: hashable}`: the group's static choices."""
+
+  def __call__(self, group: dict, /) -> dict: ...
+
+
+def _no_options(group: dict) -> dict:
+  return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +72,8 @@ class Rule:
   name: str
   state_shapes: StateShapes
   update: Update
-  hyperparameters: Callable[[dict, float], dict]
-  options: Callable[[dict], dict] = lambda group: {}
+  hyperparameters: Hyperparameters
+  options: Options = _no_options
   counts_steps: bool = False
   first_step_differs: bool = False
   real_only: bool = True

@@ -110,7 +110,9 @@ def step_of(path: str | os.PathLike) -> int:
     >>> step_of("out/checkpoints/step_000150")
     150
   """
-  return int(_NAME.match(pathlib.Path(path).name).group(1))
+  match = _NAME.match(pathlib.Path(path).name)
+  assert match is not None, path  # a name `checkpoint_names` gave
+  return int(match.group(1))
 
 
 def latest(root: str | os.PathLike) -> pathlib.Path | None:
@@ -188,7 +190,7 @@ def torn(path: str | os.PathLike, verify: bool = True) -> str | None:
     metadata = dcp.FileSystemReader(path).read_metadata()
   except Exception as e:  # a damaged pickle raises any of several types
     return f"unreadable .metadata ({type(e).__name__}: {e})"
-  needed = {}
+  needed: dict = {}
   for info in metadata.storage_data.values():
     end = info.offset + info.length
     needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
@@ -235,7 +237,7 @@ def _optimizer_template(optimizer, metadata):
   template = optimizer.state_dict()
   params = [p for group in optimizer.param_groups for p in group["params"]]
   shardings = jb.spmd.shardings_of(params) or [None] * len(params)
-  state = {}
+  state: dict = {}
   for key, saved in metadata.state_dict_metadata.items():
     parts = key.split(".")
     if parts[:2] != ["optimizer", "state"]:

@@ -93,7 +93,7 @@ def device_kind() -> str:
   try:
     return xm.xla_device_kind()
   except RuntimeError:  # "Unknown device SPMD:0"
-    return xr.device_type()
+    return xr.device_type() or "unknown"  # None before a device is chosen: no peak known
 
 
 def peak_flops(kind: str, dtype: str = "float32", devices: int = 1):

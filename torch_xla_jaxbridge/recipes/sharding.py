@@ -63,7 +63,7 @@ def param_spec(name, shape, fsdp, tensor):
     >>> param_spec("norm.weight", (6,), 4, 1)
     (None,)
   """
-  spec = [None] * len(shape)
+  spec: list[str | None] = [None] * len(shape)
   parts = name.split(".")
   owner = parts[-2] if len(parts) > 1 else parts[0]
   dim = _TENSOR_DIM.get(owner)

@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch_xla_jaxbridge as jb
 import torch
@@ -81,12 +82,12 @@ def make_step(cfg, model, optimizer):
     fused = jb.train_step(loss_of, optimizer, fallback=cfg["remat"]["fallback"],
                           layer_loop=cfg["remat"]["layer_loop"])
 
-    def step(inputs, targets, schedule):
+    def fused_step(inputs, targets, schedule):
       lr = optimizer.param_groups[0]["lr"]
       loss = fused(inputs, targets)
       schedule.step()
       return loss, optimizer.grad_norm, lr
-    return step
+    return fused_step
 
   def step(inputs, targets, schedule):
     loss = loss_of(inputs, targets)
@@ -124,9 +125,10 @@ def make_schedule(optimizer, t, start=0):
     >>> round(make_schedule(optimizer, t, start=2).get_last_lr()[0] / t["lr"], 2)
     0.6
   """
-  factor = {"constant": lambda warmup, steps: jb.optim.warmup_constant(warmup),
-            "cosine": jb.optim.warmup_cosine,
-            "linear": jb.optim.warmup_linear}[t["schedule"]](t["warmup_steps"], t["steps"])
+  schedules: dict[str, Callable] = {
+      "constant": lambda warmup, steps: jb.optim.warmup_constant(warmup),
+      "cosine": jb.optim.warmup_cosine, "linear": jb.optim.warmup_linear}
+  factor = schedules[t["schedule"]](t["warmup_steps"], t["steps"])
   for group in optimizer.param_groups:
     group["initial_lr"] = t["lr"]
   return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start - 1)
@@ -231,7 +233,7 @@ class _Readback:
     # (time, steps) of the reads after the first, which holds the compiles: a rate spans up to
     # _RATE_READS of them, since one read that ran late on a busy host is followed at once by
     # the next (a window alone then showed 0.1 ms steps next to 40 ms ones)
-    self.recent = collections.deque(maxlen=_RATE_READS + 1)
+    self.recent: collections.deque = collections.deque(maxlen=_RATE_READS + 1)
 
   def add(self, step, began, loss, grad_norm, lr, host_ms):
     """Keeps step `step`'s values (a copy in this step's graph of those an optimizer may update in

@@ -68,7 +68,8 @@ def sequenced(fn: Callable) -> Callable:
     cts, ct_tree = jax.tree.flatten(cotangent)
     inexact = [i for i, c in enumerate(cts) if jax.numpy.issubdtype(c.dtype, jax.numpy.inexact)]
 
-    def run(r: list, c: list) -> Any:  # the float0 cotangents of integer outputs stay outside the conditional
+    # the float0 cotangents of integer outputs stay outside the conditional
+    def run(r: list, c: list) -> Any:
       full = list(cts)
       for i, value in zip(inexact, c):
         full[i] = value

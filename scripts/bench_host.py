@@ -170,23 +170,25 @@ def _updated(model, optimizer):
 def _floor(model, optimizer):
   """Host ms of torch_xla's own share for as many tensors as the step updates: one user
   computation over the parameters and optimizer states (each scaled), its outputs taken as the
-  next inputs, and `torch_xla.sync()`; none of this package's Python and no data-handle swaps."""
+  next inputs, and `torch_xla.sync()`; none of this package's Python (only `_compat`'s one-line
+  wrappers of torch_xla's entry points) and no data-handle swaps."""
   import jax
-  import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
+
+  from torch_xla_jaxbridge._compat import torch_xla_private
 
   tensors = _updated(model, optimizer)
   avals = [jax.ShapeDtypeStruct(tuple(t.shape), jax.numpy.float32) for t in tensors]
   proto = jax.jit(lambda *xs: [x * 0.999 for x in xs]).lower(*avals).compiler_ir(
       "hlo").as_serialized_hlo_module_proto()
-  computation = torch_xla._XLAC._xla_op_computation_from_module_proto("xla::floor", proto)
+  computation = torch_xla_private.computation_from_proto("xla::floor", proto)
   torch_xla.sync()
   times = []
   for i in range(26):
     xm.wait_device_ops()
     start = time.thread_time()
-    tensors = torch_xla._XLAC._xla_user_computation("xla::floor", tensors, computation)
+    tensors = torch_xla_private.user_computation("xla::floor", tensors, computation)
     torch_xla.sync()
     if i >= 6:  # the first calls compile
       times.append((time.thread_time() - start) * 1e3)

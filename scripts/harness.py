@@ -160,8 +160,8 @@ def spread(values: Iterable[Optional[float]]) -> Optional[list]:
     >>> spread([3, 1, None, 2])
     [2, 1, 3]
   """
-  values = [v for v in values if v is not None]
-  return [statistics.median(values), min(values), max(values)] if values else None
+  kept = [v for v in values if v is not None]
+  return [statistics.median(kept), min(kept), max(kept)] if kept else None
 
 
 def spreads(runs: Sequence[dict], keys: Iterable[str]) -> dict:

@@ -20,9 +20,10 @@ Modes (the adoption, applied as a textual edit to a copy of the example in a tem
   package's.
 
 Every mode (the unmodified one too) gets the same size edits: the step count (ResNet's steps take
-seconds here, the decoder's under one), the decoder's batch and sequence length, ResNet's batch (the examples' full sizes take minutes a step on a 2-core
-CPU); the decoder's model sizes are the example's command-line flags (`--hidden-size` ...), its
-other sizes (vocabulary 3200, 2 layers, 8 query and 4 key/value heads) the example's own.
+seconds here, the decoder's under one), the decoder's batch and sequence length, ResNet's batch
+(the examples' full sizes take minutes a step on a 2-core CPU); the decoder's model sizes are the
+example's command-line flags (`--hidden-size` ...), its other sizes (vocabulary 3200, 2 layers, 8
+query and 4 key/value heads) the example's own.
 
 Each (example, mode) runs in its own process, seeded as the example's `__main__` seeds, through
 the example's own loop (`start_training()`), its compiled step wrapped to wait for the device

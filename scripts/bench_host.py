@@ -13,10 +13,10 @@ share the cores with XLA's execution:
   in `torch_xla.sync()` (graph hash, lookup, dispatch; XLA:CPU starts running the program on its
   own threads before sync returns, which is device time); `host_ms` their sum, the host time a
   step costs. Wall times alongside.
-- parts: the same steps once more under cProfile (timing CPU time), each function's own time assigned to a part
-  (`PARTS`: Python call path, flatten and cache key, argument checks, data handles, optimizer
-  bookkeeping, the node, sync, other), as shares scaled to `host_ms` (the profiler slows Python
-  more than C++, so the Python parts read high).
+- parts: the same steps once more under cProfile (timing CPU time), each function's own time
+  assigned to a part (`PARTS`: Python call path, flatten and cache key, argument checks, data
+  handles, optimizer bookkeeping, the node, sync, other), as shares scaled to `host_ms` (the
+  profiler slows Python more than C++, so the Python parts read high).
 - `anchor_ms`: host time of calling a `jax.jit` function of as many arrays as the step's inputs
   and outputs (parameters, optimizer state, batch; donated), on JAX's CPU device: what a
   dispatch costs without torch_xla.
@@ -50,8 +50,8 @@ PARTS = {
     "data handles and aliasing": ["replace_data", "_replace_xla_tensor", "_propagate_xla_data",
                                   "_functionalize", "_from_functional_tensor",
                                   "increment_version"],
-    "optimizer bookkeeping": ["optim/_", "torch/optim", "lr_scheduler", "built-in method torch.tensor",
-                              "'to' of 'torch._C"],
+    "optimizer bookkeeping": ["optim/_", "torch/optim", "lr_scheduler",
+                              "built-in method torch.tensor", "'to' of 'torch._C"],
     "flatten and cache key": ["tree_util", "jax/_src/tree", "lowering.py", "call.py", "plain.py",
                               "spec.py:split", "__hash__", "__eq__"],
     "argument checks": ["check_params", "_check", "is_traced", "_any_traced"],

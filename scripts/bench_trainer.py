@@ -7,7 +7,8 @@ Modes: `plain` (the unmodified Trainer), `layers` (`jb.bridge_modules(model,
 heads, 2 key/value heads, default `sdpa` attention), batch 4 x 128 tokens. First step: from
 `train()` to the end of step 1 (trace and compile included); steady: median of the later steps.
 
-  python scripts/bench_trainer.py [--layers 4] [--steps 10] [--rounds 3] [--json out/bench_trainer.json]
+  python scripts/bench_trainer.py [--layers 4] [--steps 10] [--rounds 3]
+      [--json scripts/out/bench_trainer.json]
 """
 import argparse
 import tempfile

@@ -172,7 +172,8 @@ def run(mode, layers, steps):
   return {"mode": mode, "layers": layers, "compile_s": round((warm[1] - before[1]) / 1e9, 2),
           "first_step_s": round(first_s, 2), "host_ms": round(statistics.median(host), 2),
           **{f"host_{k}_ms": round(statistics.median(v), 2) for k, v in parts.items()},
-          "step_ms": round(statistics.median(times), 1), "page_faults": int(statistics.median(faults)),
+          "step_ms": round(statistics.median(times), 1),
+          "page_faults": int(statistics.median(faults)),
           "compiles_after_warmup": after[0] - warm[0],
           "loss": round(loss.item(), 6)}
 

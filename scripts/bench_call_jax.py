@@ -1,14 +1,12 @@
 """Per-call host overhead of `call_jax` on a cache hit: ours vs upstream `xb.call_jax`.
 
-Runs both in one process, interleaved, for a small signature (2 tensors) and a 20-input pytree.
-Prints a table and writes JSON (default: out/bench_call_jax.json).
+Runs both in one process (the per-call cost of a cache hit, in microseconds), alternated over
+`--repeats` rounds, for a small signature (2 tensors) and a 20-input pytree; medians. Prints a
+table and writes JSON (default: out/bench_call_jax.json).
 
   python scripts/bench_call_jax.py [--calls 2000] [--repeats 7] [--json PATH]
 """
 import argparse
-import json
-import os
-import statistics
 import time
 
 import torch_xla_jaxbridge as jb  # noqa: F401  (sets PJRT_DEVICE=CPU first)
@@ -16,6 +14,8 @@ import jax.numpy as jnp
 import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
+
+import harness
 
 
 def small(a, b):
@@ -41,7 +41,7 @@ def per_call_us(call, fn, args, calls):
   return (time.perf_counter() - start) / calls * 1e6
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--calls", type=int, default=2000)
   parser.add_argument("--repeats", type=int, default=7)
@@ -54,23 +54,23 @@ def main():
       torch_xla.sync()
       call(fn, args)
       torch_xla.sync()
-    samples = {k: [] for k in impls}
-    for _ in range(opts.repeats):
-      for impl, call in impls.items():
-        samples[impl].append(per_call_us(call, fn, args, opts.calls))
-        torch_xla.sync()
-    ours, upstream = (statistics.median(samples[k]) for k in ("ours", "upstream"))
+
+    def measure(impl):
+      us = per_call_us(impls[impl], fn, args, opts.calls)
+      torch_xla.sync()
+      return us
+
+    samples = harness.rounds([(impl,) for impl in impls], opts.repeats, measure, log=None)
+    ours, upstream = (harness.spread(samples[(k,)])[0] for k in ("ours", "upstream"))
     rows.append({"case": case, "ours_us": round(ours, 2), "upstream_us": round(upstream, 2),
                  "ratio": round(ours / upstream, 3)})
-  print(f"{'case':<24}{'ours us/call':>14}{'upstream us/call':>18}{'ours/upstream':>15}")
-  for r in rows:
-    print(f"{r['case']:<24}{r['ours_us']:>14}{r['upstream_us']:>18}{r['ratio']:>15}")
+  print(harness.table(rows, [("case", "case"), ("ours us/call", "ours_us", str),
+                             ("upstream us/call", "upstream_us", str),
+                             ("ours/upstream", "ratio", str)]))
   print("target: ours/upstream <= 0.5")
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"calls": opts.calls, "repeats": opts.repeats, "rows": rows,
-               "cache": jb.cache_info()._asdict()}, f, indent=2)
+  harness.write_json(opts.json, {"calls": opts.calls, "repeats": opts.repeats, "rows": rows,
+                                 "cache": jb.cache_info()._asdict()})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main)

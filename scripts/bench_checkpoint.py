@@ -9,18 +9,16 @@ saved and loaded with and without them.
   load sha256  the same on a checkpoint saved with SHA-256
   hash crc32 / sha256   `checksums.record` alone: reading and hashing every file
 
-The modes alternate over `--rounds` rounds in one process (the files are in the page cache: a
-load from a cold disk reads them twice with verification). Each line: median seconds [min, max],
-and the checkpoint's bytes over the median time. JSON: scripts/out/bench_checkpoint.json (or
+The modes alternate over `--rounds` rounds in one process (a round saves, then loads what it
+saved; the files are in the page cache: a load from a cold disk reads them twice with
+verification). Each line: median milliseconds [min-max], and the checkpoint's bytes over the
+median time. JSON: scripts/out/bench_checkpoint.json (or
 --json).
 
   python scripts/bench_checkpoint.py [--rounds 7] [key=value ...]   # recipe overrides: model=...
 """
 import argparse
-import json
 import pathlib
-import statistics
-import sys
 import tempfile
 import time
 
@@ -28,7 +26,9 @@ import torch_xla
 
 from torch_xla_jaxbridge.recipes import checkpoint, checksums, config, data, train
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import harness
+
+ROOT = harness.ROOT
 
 
 def trained(cfg):
@@ -70,7 +70,7 @@ def round_(model, optimizer, work, cfg):
   return seconds, sum(f.stat().st_size for f in saved[None].iterdir())
 
 
-def main():
+def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--json", default=str(ROOT / "scripts" / "out" / "bench_checkpoint.json"))
@@ -78,27 +78,23 @@ def main():
   opts = parser.parse_args()
   cfg = config.load(opts.overrides)
   model, optimizer = trained(cfg)
-  runs = []
   with tempfile.TemporaryDirectory() as work:
     round_(model, optimizer, work, cfg)  # warm-up: first save and load compile and allocate
-    for _ in range(opts.rounds):
-      seconds, size = round_(model, optimizer, work, cfg)
-      runs.append(seconds)
-  table = {}
+    runs, sizes = zip(*[round_(model, optimizer, work, cfg) for _ in range(opts.rounds)])
+  size, table, rows = sizes[-1], {}, []
   print(f"checkpoint: {size / 1e6:.1f} MB ({' '.join(opts.overrides) or 'defaults'}), "
         f"{opts.rounds} rounds")
   for mode in runs[0]:
-    values = [r[mode] for r in runs]
-    median = statistics.median(values)
-    table[mode] = {"median_s": median, "min_s": min(values), "max_s": max(values),
-                   "mb_per_s": size / 1e6 / median}
-    print(f"  {mode:12s} {median * 1e3:8.1f} ms [{min(values) * 1e3:.1f}, "
-          f"{max(values) * 1e3:.1f}]  {size / 1e6 / median:8.1f} MB/s")
-  pathlib.Path(opts.json).write_text(json.dumps(
-      {"overrides": opts.overrides, "bytes": size, "rounds": opts.rounds, "modes": table,
-       "runs": runs}, indent=2))
+    seconds = harness.spread(r[mode] for r in runs)
+    table[mode] = {"median_s": seconds[0], "min_s": seconds[1], "max_s": seconds[2],
+                   "mb_per_s": size / 1e6 / seconds[0]}
+    rows.append({"mode": mode, "seconds": seconds, "mb_per_s": table[mode]["mb_per_s"]})
+  print(harness.table(rows, [("mode", "mode"), ("ms", "seconds", lambda s: f"{s * 1e3:.1f}"),
+                             ("MB/s", "mb_per_s", ".1f")]))
+  harness.write_json(opts.json, {"overrides": opts.overrides, "bytes": size,
+                                 "rounds": opts.rounds, "modes": table, "runs": list(runs)})
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  harness.main(main)

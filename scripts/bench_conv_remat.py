@@ -16,17 +16,16 @@ from the compiled step (`jb.memory_report`). Prints medians [min-max] over round
   python scripts/bench_conv_remat.py [--rounds 3] [--steps 5] [--kernel 1] [--channels 256]
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+import harness
 
 MODES = ("lazytensor", "lazytensor checkpoint", "jb.checkpoint")
 
 
-def child(mode, steps, kernel, channels):
+def child(mode: str, steps: int, kernel: int, channels: int) -> dict:
   import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
@@ -65,10 +64,7 @@ def child(mode, steps, kernel, channels):
           "loss": loss.item()}
 
 
-def main():
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    print(json.dumps(child(sys.argv[2], *map(int, sys.argv[3:6]))))
-    return
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=5)
@@ -76,35 +72,24 @@ def main():
   parser.add_argument("--channels", type=int, default=256)
   parser.add_argument("--json", default="scripts/out/bench_conv_remat.json")
   opts = parser.parse_args()
-  runs = []
-  for round_ in range(opts.rounds):
-    for mode in MODES:
-      proc = subprocess.run([sys.executable, __file__, "--child", mode, str(opts.steps),
-                             str(opts.kernel), str(opts.channels)], capture_output=True,
-                            text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-      if proc.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
-      runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-      print(f"round {round_}: {mode}: {runs[-1]['step_ms']:.1f} ms", flush=True)
-  base = statistics.median(r["step_ms"] for r in runs if r["mode"] == "lazytensor")
+  results = harness.rounds([(mode,) for mode in MODES], opts.rounds, lambda mode: harness.run_child(
+      __file__, [mode, opts.steps, opts.kernel, opts.channels], {"PJRT_DEVICE": "CPU"}),
+                           describe=lambda run: f"{run['step_ms']:.1f} ms")
+  base = harness.spread(r["step_ms"] for r in results[("lazytensor",)])[0]
   rows = []
-  print(f"\n{opts.kernel}x{opts.kernel} convolutions, {opts.channels} channels, batch 16, 14x14")
-  print(f"{'mode':<32}{'step ms':>24}{'x lazytensor':>14}{'temp MB':>10}{'loss':>12}")
-  for mode in MODES:
-    mine = [r for r in runs if r["mode"] == mode]
-    values = [r["step_ms"] for r in mine]
-    row = {"mode": mode, "step_ms": [statistics.median(values), min(values), max(values)],
-           "ratio": statistics.median(values) / base, "temp_bytes": mine[0]["temp_bytes"],
-           "loss": mine[0]["loss"]}
+  for (mode,), runs in results.items():
+    row = {"mode": mode, **harness.spreads(runs, ["step_ms"]),
+           "temp_bytes": runs[0]["temp_bytes"], "loss": runs[0]["loss"]}
+    row["ratio"] = row["step_ms"][0] / base
     rows.append(row)
-    span = f"{row['step_ms'][0]:.1f} [{row['step_ms'][1]:.1f}-{row['step_ms'][2]:.1f}]"
-    print(f"{mode:<32}{span:>24}{row['ratio']:>14.2f}{row['temp_bytes'] / 1e6:>10.1f}"
-          f"{row['loss']:>12.6f}")
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"config": vars(opts), "runs": runs, "rows": rows, "load": os.getloadavg()}, f,
-              indent=1)
+  print(f"\n{opts.kernel}x{opts.kernel} convolutions, {opts.channels} channels, batch 16, 14x14")
+  print(harness.table(rows, [("mode", "mode"), ("step ms", "step_ms", ".1f"),
+                             ("x lazytensor", "ratio", ".2f"),
+                             ("temp MB", "temp_bytes", lambda b: f"{b / 1e6:.1f}"),
+                             ("loss", "loss", ".6f")]))
+  harness.write_json(opts.json, {"config": vars(opts), "runs": harness.in_order(results),
+                                 "rows": rows, "load": os.getloadavg()})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

@@ -22,18 +22,16 @@ step (median of the steps after warm-up) and every step's loss. Ratios are per r
       [--json scripts/out/bench_depth.json]
 """
 import argparse
-import json
 import statistics
-import sys
 import time
 
-from harness import rounds, run_child, spread, table, write_json
+import harness
 
 MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step looped",
          "train_step unrolled"]
 
 
-def child(mode, layers, steps):
+def child(mode: str, layers: int, steps: int) -> dict:
   import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
@@ -88,7 +86,7 @@ def child(mode, layers, steps):
           "losses": losses}
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
   parser.add_argument("--rounds", type=int, default=3)
@@ -97,32 +95,23 @@ def main():
   parser.add_argument("--json", default="scripts/out/bench_depth.json")
   args = parser.parse_args()
   cases = [(layers, mode) for layers in args.layers for mode in args.modes]
-  results = rounds(cases, args.rounds,
-                   lambda layers, mode: run_child(__file__, [mode, layers, args.steps]))
+  results = harness.rounds(cases, args.rounds, lambda layers, mode: harness.run_child(
+      __file__, [mode, layers, args.steps]))
   rows = []
   for layers, mode in cases:
     runs, plain = results[(layers, mode)], results[(layers, "plain")]
-    row = {"layers": layers, "mode": mode, "runs": runs,
-           "step1_s": spread(r["step1_s"] for r in runs),
-           "warmup_s": spread(r["warmup_s"] for r in runs),
-           "compiles": spread(r["compiles"] for r in runs),
-           "steady_ms": spread(r["steady_ms"] for r in runs),
-           "step1_x": spread(r["step1_s"] / p["step1_s"] for r, p in zip(runs, plain)),
-           "warmup_x": spread(r["warmup_s"] / p["warmup_s"] for r, p in zip(runs, plain)),
-           "steady_x": spread(r["steady_ms"] / p["steady_ms"] for r, p in zip(runs, plain)),
-           "loss_diff": max(abs(a - b) for r, p in zip(runs, plain)
-                            for a, b in zip(r["losses"], p["losses"]))}
-    rows.append(row)
-  print(table(rows, [("layers", "layers"), ("mode", "mode"), ("step 1 s", "step1_s"),
-                     ("x plain", "step1_x"), ("warm-up s", "warmup_s"), ("x plain", "warmup_x"),
-                     ("compiles", "compiles"), ("steady ms", "steady_ms"),
-                     ("x plain", "steady_x"), ("max loss diff", "loss_diff")]))
-  write_json(args.json, {"args": vars(args), "rows": rows})
+    rows.append({"layers": layers, "mode": mode, "runs": runs,
+                 **harness.spreads(runs, ["step1_s", "warmup_s", "compiles", "steady_ms"]),
+                 "step1_x": harness.ratio(runs, plain, "step1_s"),
+                 "warmup_x": harness.ratio(runs, plain, "warmup_s"),
+                 "steady_x": harness.ratio(runs, plain, "steady_ms"),
+                 "loss_diff": harness.max_difference(runs, plain, "losses")})
+  print(harness.table(rows, [
+      ("layers", "layers"), ("mode", "mode"), ("step 1 s", "step1_s"), ("x plain", "step1_x"),
+      ("warm-up s", "warmup_s"), ("x plain", "warmup_x"), ("compiles", "compiles"),
+      ("steady ms", "steady_ms"), ("x plain", "steady_x"), ("max loss diff", "loss_diff")]))
+  harness.write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
-  if sys.argv[1:2] == ["--child"]:
-    mode, layers, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    print(json.dumps(child(mode, layers, steps)))
-  else:
-    main()
+  harness.main(main, child)

@@ -20,9 +20,10 @@ Modes (the adoption, applied as a textual edit to a copy of the example in a tem
   package's.
 
 Every mode (the unmodified one too) gets the same size edits: the step count (ResNet's steps take
-seconds here, the decoder's under one), the decoder's batch and sequence length, ResNet's batch (the examples' full sizes take minutes a step on a 2-core
-CPU); the decoder's model sizes are the example's command-line flags (`--hidden-size` ...), its
-other sizes (vocabulary 3200, 2 layers, 8 query and 4 key/value heads) the example's own.
+seconds here, the decoder's under one), the decoder's batch and sequence length, ResNet's batch
+(the examples' full sizes take minutes a step on a 2-core CPU); the decoder's model sizes are the
+example's command-line flags (`--hidden-size` ...), its other sizes (vocabulary 3200, 2 layers, 8
+query and 4 key/value heads) the example's own.
 
 Each (example, mode) runs in its own process, seeded as the example's `__main__` seeds, through
 the example's own loop (`start_training()`), its compiled step wrapped to wait for the device
@@ -40,17 +41,17 @@ of layers). Writes JSON.
       [--rounds 3] [--steps 16] [--resnet-steps 6] [--json scripts/out/bench_examples.json]
 """
 import argparse
-import json
 import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import harness
+
+ROOT = harness.ROOT
 WARMUP = 2  # steps left out of the steady time: both compile (the second: Adam's first state)
 DECODER = "examples/train_decoder_only_base.py"
 RESNET = "examples/train_resnet_base.py"
@@ -136,7 +137,7 @@ def prepare(checkout, example, mode, folder, sizes):
   return folder / "examples"
 
 
-def child(folder, example, steps, config):
+def child(folder: str, example: str, steps: int, config: dict) -> dict:
   """Runs the example's trainer in this process; returns its step times and losses."""
   import importlib
 
@@ -144,7 +145,7 @@ def child(folder, example, steps, config):
   import torch_xla
   import torch_xla.core.xla_model as xm
 
-  sys.path[:0] = [str(folder), str(folder / "scan")]
+  sys.path[:0] = [folder, os.path.join(folder, "scan")]
   spec = EXAMPLES[example]
   torch.manual_seed(42)  # as the example's __main__
   torch_xla.manual_seed(42)
@@ -184,47 +185,31 @@ def run(checkout, example, mode, opts, work):
   config = {"hidden_size": opts.hidden_size, "num_hidden_layers": opts.layers,
             "num_attention_heads": opts.heads, "num_key_value_heads": opts.kv_heads,
             "intermediate_size": opts.intermediate_size}
-  proc = subprocess.run(
-      [sys.executable, __file__, "--child", str(folder / "examples"), example, str(opts.steps),
-       json.dumps(config)], capture_output=True, text=True, cwd=folder,
-      env=dict(os.environ, PJRT_DEVICE="CPU",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-  shutil.rmtree(folder, ignore_errors=True)
-  if proc.returncode != 0:
-    raise RuntimeError(f"{example} {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-  return dict(json.loads(proc.stdout.strip().splitlines()[-1]), example=example, mode=mode)
+  try:
+    result = harness.run_child(__file__, [str(folder / "examples"), example, opts.steps, config],
+                               {"PJRT_DEVICE": "CPU"}, cwd=folder)
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+  return dict(result, example=example, mode=mode)
 
 
-def spread(values):
-  """[median, min, max]."""
-  return [statistics.median(values), min(values), max(values)]
-
-
-def summarize(runs):
+def summarize(results):
   """One row per (example, mode): medians [min, max] over rounds; the ratios unmodified / mode
   of the steady step (wall and CPU) per round, as median [min, max]; the largest loss
   difference against the unmodified run of the same round."""
   rows = []
-  for example in dict.fromkeys(r["example"] for r in runs):
-    mine = [r for r in runs if r["example"] == example]
-    base = {r["round"]: r for r in mine if r["mode"] == "unmodified"}
-    decoder = {r["round"]: r for r in runs if (r["example"], r["mode"]) == ("decoder",
-                                                                              "unmodified")}
-    for mode in dict.fromkeys(r["mode"] for r in mine):
-      these = [r for r in mine if r["mode"] == mode]
-      row = {"example": example, "mode": mode, "rounds": len(these)}
-      for key in ("first_ms", "second_ms", "steady_ms", "steady_cpu_ms"):
-        row[key] = spread([r[key] for r in these])
-      row["ratio"] = spread([base[r["round"]]["steady_ms"] / r["steady_ms"] for r in these])
-      row["cpu_ratio"] = spread([base[r["round"]]["steady_cpu_ms"] / r["steady_cpu_ms"]
-                                 for r in these])
-      if example == "scan" and decoder:  # against the decoder example's loop of layers
-        row["ratio_decoder"] = spread([decoder[r["round"]]["steady_ms"] / r["steady_ms"]
-                                       for r in these if r["round"] in decoder])
-      row["loss_diff"] = max(abs(a - b) for r in these
-                             for a, b in zip(r["losses"], base[r["round"]]["losses"]))
-      row["losses"] = these[0]["losses"]
-      rows.append(row)
+  decoder = results.get(("decoder", "unmodified"))
+  for (example, mode), these in results.items():
+    base = results[(example, "unmodified")]
+    row = {"example": example, "mode": mode, "rounds": len(these),
+           **harness.spreads(these, ["first_ms", "second_ms", "steady_ms", "steady_cpu_ms"]),
+           "ratio": harness.ratio(base, these, "steady_ms"),
+           "cpu_ratio": harness.ratio(base, these, "steady_cpu_ms")}
+    if example == "scan" and decoder:  # against the decoder example's loop of layers
+      row["ratio_decoder"] = harness.ratio(decoder, these, "steady_ms")
+    row["loss_diff"] = harness.max_difference(these, base, "losses")
+    row["losses"] = these[0]["losses"]
+    rows.append(row)
   return rows
 
 
@@ -233,25 +218,19 @@ def show(rows, opts):
         f"{opts.layers} layers, heads {opts.heads}/{opts.kv_heads}, batch {opts.batch}, "
         f"seq {opts.seq}, {opts.steps} steps; resnet: batch {opts.resnet_batch}, 224x224, "
         f"{opts.resnet_steps} steps; steady from step {WARMUP + 1}; medians [min-max] over rounds")
-  print(f"{'example':<8}{'mode':<15}{'step 1 s':>19}{'step 2 s':>19}{'steady ms':>19}"
-        f"{'x unmod':>18}{'cpu x unmod':>18}{'loss diff':>10}")
-  for r in rows:
-    secs = lambda k: "{:.1f} [{:.1f}-{:.1f}]".format(*(v / 1e3 for v in r[k]))  # noqa: E731
-    ratio = lambda k: "{:.2f} [{:.2f}-{:.2f}]".format(*r[k])  # noqa: E731
-    print(f"{r['example']:<8}{r['mode']:<15}{secs('first_ms'):>19}{secs('second_ms'):>19}"
-          f"{'{:.0f} [{:.0f}-{:.0f}]'.format(*r['steady_ms']):>19}{ratio('ratio'):>18}"
-          f"{ratio('cpu_ratio'):>18}{r['loss_diff']:>10.1e}")
+  seconds = lambda ms: f"{ms / 1e3:.1f}"  # noqa: E731
+  print(harness.table(rows, [
+      ("example", "example"), ("mode", "mode"), ("step 1 s", "first_ms", seconds),
+      ("step 2 s", "second_ms", seconds), ("steady ms", "steady_ms", ".0f"),
+      ("x unmod", "ratio", ".2f"), ("cpu x unmod", "cpu_ratio", ".2f"),
+      ("loss diff", "loss_diff", ".1e")]))
   for r in rows:
     if "ratio_decoder" in r:
       print(f"scan {r['mode']} against the decoder example's unmodified loop: "
             "{:.2f} [{:.2f}-{:.2f}]".format(*r["ratio_decoder"]))
 
 
-def main():
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    folder, example, steps, config = sys.argv[2:6]
-    print(json.dumps(child(pathlib.Path(folder), example, int(steps), json.loads(config))))
-    return
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("checkout", type=pathlib.Path, help="a pytorch/xla source checkout")
   parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
@@ -278,29 +257,24 @@ def main():
   if missing:
     sys.exit(f"bench_examples: {checkout} lacks {sorted(set(missing))}; give the root of a "
              f"pytorch/xla checkout (the one matching the installed torch_xla).")
-  runs = []
+  cases = [(example, mode) for example in opts.examples for mode in EXAMPLES[example]["modes"]
+           if not opts.modes or mode in opts.modes or mode == "unmodified"]
   with tempfile.TemporaryDirectory(prefix="bench_examples_") as work:
-    for round_ in range(opts.rounds):
-      for example in opts.examples:
-        for mode in EXAMPLES[example]["modes"]:
-          if opts.modes and mode not in opts.modes and mode != "unmodified":
-            continue
-          runs.append(dict(run(checkout, example, mode, opts, pathlib.Path(work)), round=round_))
-          r = runs[-1]
-          print(f"round {round_}: {example} {mode}: first {r['first_ms'] / 1e3:.2f} s, steady "
-                f"{r['steady_ms']:.0f} ms", flush=True)
-          write(opts, runs, None)  # after each run: an interrupted run keeps what it measured
-  rows = summarize(runs)
+    results = harness.rounds(
+        cases, opts.rounds,
+        lambda example, mode: run(checkout, example, mode, opts, pathlib.Path(work)),
+        describe=lambda r: f"first {r['first_ms'] / 1e3:.2f} s, steady {r['steady_ms']:.0f} ms",
+        after=lambda results: write(opts, results, None))  # an interrupted run keeps its runs
+  rows = summarize(results)
   show(rows, opts)
-  write(opts, runs, rows)
+  write(opts, results, rows)
 
 
-def write(opts, runs, rows):
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"config": {k: str(v) for k, v in vars(opts).items()}, "runs": runs, "rows": rows,
-               "load": os.getloadavg()}, f, indent=1)
+def write(opts, results, rows):
+  harness.write_json(opts.json, {"config": {k: str(v) for k, v in vars(opts).items()},
+                                 "runs": harness.in_order(results, "round"), "rows": rows,
+                                 "load": os.getloadavg()})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

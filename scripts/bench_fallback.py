@@ -14,20 +14,20 @@ Prints medians [min-max] over rounds and writes JSON.
   python scripts/bench_fallback.py [--rounds 3] [--steps 10] [--model bart]
 """
 import argparse
-import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 import warnings
+
+import harness
 
 TEST = pathlib.Path(__file__).resolve().parents[1] / "test"
 MODES = ("lazytensor", "train_step (fallback)")
 
 
-def child(model_name, mode, steps):
+def child(model_name: str, mode: str, steps: int) -> dict:
   sys.path.insert(0, str(TEST))
   import heldout
   import torch
@@ -69,42 +69,25 @@ def child(model_name, mode, steps):
           "fallbacks": len(jb.bridge_report().fallbacks())}
 
 
-def main():
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
-    return
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--model", default="bart")
   parser.add_argument("--json", default="scripts/out/bench_fallback.json")
   opts = parser.parse_args()
-  runs = []
-  for round_ in range(opts.rounds):
-    for mode in MODES:
-      proc = subprocess.run([sys.executable, __file__, "--child", opts.model, mode,
-                             str(opts.steps)], capture_output=True, text=True,
-                            env=dict(os.environ, PJRT_DEVICE="CPU"))
-      if proc.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
-      runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-      print(f"round {round_}: {mode}: host {runs[-1]['host_ms']:.1f} ms, step "
-            f"{runs[-1]['step_ms']:.1f} ms", flush=True)
-  rows = []
-  print(f"{'mode':<24}{'host CPU ms':>26}{'step wall ms':>26}{'fallbacks':>11}")
-  for mode in MODES:
-    mine = [r for r in runs if r["mode"] == mode]
-    row = {"mode": mode, "fallbacks": mine[0]["fallbacks"]}
-    for key in ("host_ms", "step_ms"):
-      values = [r[key] for r in mine]
-      row[key] = [statistics.median(values), min(values), max(values)]
-    rows.append(row)
-    span = lambda k: f"{row[k][0]:.1f} [{row[k][1]:.1f}-{row[k][2]:.1f}]"  # noqa: E731
-    print(f"{mode:<24}{span('host_ms'):>26}{span('step_ms'):>26}{row['fallbacks']:>11}")
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"runs": runs, "rows": rows, "load": os.getloadavg()}, f, indent=1)
+  results = harness.rounds(
+      [(mode,) for mode in MODES], opts.rounds,
+      lambda mode: harness.run_child(__file__, [opts.model, mode, opts.steps],
+                                     {"PJRT_DEVICE": "CPU"}),
+      describe=lambda run: f"host {run['host_ms']:.1f} ms, step {run['step_ms']:.1f} ms")
+  rows = [{"mode": mode, "fallbacks": runs[0]["fallbacks"],
+           **harness.spreads(runs, ["host_ms", "step_ms"])} for (mode,), runs in results.items()]
+  print(harness.table(rows, [("mode", "mode"), ("host CPU ms", "host_ms", ".1f"),
+                             ("step wall ms", "step_ms", ".1f"), ("fallbacks", "fallbacks")]))
+  harness.write_json(opts.json, {"runs": harness.in_order(results), "rows": rows,
+                                 "load": os.getloadavg()})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

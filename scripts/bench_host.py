@@ -13,10 +13,10 @@ share the cores with XLA's execution:
   in `torch_xla.sync()` (graph hash, lookup, dispatch; XLA:CPU starts running the program on its
   own threads before sync returns, which is device time); `host_ms` their sum, the host time a
   step costs. Wall times alongside.
-- parts: the same steps once more under cProfile (timing CPU time), each function's own time assigned to a part
-  (`PARTS`: Python call path, flatten and cache key, argument checks, data handles, optimizer
-  bookkeeping, the node, sync, other), as shares scaled to `host_ms` (the profiler slows Python
-  more than C++, so the Python parts read high).
+- parts: the same steps once more under cProfile (timing CPU time), each function's own time
+  assigned to a part (`PARTS`: Python call path, flatten and cache key, argument checks, data
+  handles, optimizer bookkeeping, the node, sync, other), as shares scaled to `host_ms` (the
+  profiler slows Python more than C++, so the Python parts read high).
 - `anchor_ms`: host time of calling a `jax.jit` function of as many arrays as the step's inputs
   and outputs (parameters, optimizer state, batch; donated), on JAX's CPU device: what a
   dispatch costs without torch_xla.
@@ -32,13 +32,12 @@ Prints a table of medians [min-max] over rounds and writes JSON.
 """
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import statistics
-import subprocess
-import sys
 import time
+
+import harness
 
 CONFIGS = {"tiny": ["model=llama-tiny"], "mid": ["model=llama-mid", "train.seq=256"],
            "mid32": ["model=llama-mid", "train.seq=256", "model.layers=32"]}
@@ -51,8 +50,8 @@ PARTS = {
     "data handles and aliasing": ["replace_data", "_replace_xla_tensor", "_propagate_xla_data",
                                   "_functionalize", "_from_functional_tensor",
                                   "increment_version"],
-    "optimizer bookkeeping": ["optim/_", "torch/optim", "lr_scheduler", "built-in method torch.tensor",
-                              "'to' of 'torch._C"],
+    "optimizer bookkeeping": ["optim/_", "torch/optim", "lr_scheduler",
+                              "built-in method torch.tensor", "'to' of 'torch._C"],
     "flatten and cache key": ["tree_util", "jax/_src/tree", "lowering.py", "call.py", "plain.py",
                               "spec.py:split", "__hash__", "__eq__"],
     "argument checks": ["check_params", "_check", "is_traced", "_any_traced"],
@@ -60,7 +59,7 @@ PARTS = {
 }
 
 
-def child(config, mode, steps):
+def child(config: str, mode: str, steps: int) -> dict:
   import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
@@ -171,73 +170,57 @@ def _updated(model, optimizer):
 def _floor(model, optimizer):
   """Host ms of torch_xla's own share for as many tensors as the step updates: one user
   computation over the parameters and optimizer states (each scaled), its outputs taken as the
-  next inputs, and `torch_xla.sync()`; none of this package's Python and no data-handle swaps."""
+  next inputs, and `torch_xla.sync()`; none of this package's Python (only `_compat`'s one-line
+  wrappers of torch_xla's entry points) and no data-handle swaps."""
   import jax
-  import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
+
+  from torch_xla_jaxbridge._compat import torch_xla_private
 
   tensors = _updated(model, optimizer)
   avals = [jax.ShapeDtypeStruct(tuple(t.shape), jax.numpy.float32) for t in tensors]
   proto = jax.jit(lambda *xs: [x * 0.999 for x in xs]).lower(*avals).compiler_ir(
       "hlo").as_serialized_hlo_module_proto()
-  computation = torch_xla._XLAC._xla_op_computation_from_module_proto("xla::floor", proto)
+  computation = torch_xla_private.computation_from_proto("xla::floor", proto)
   torch_xla.sync()
   times = []
   for i in range(26):
     xm.wait_device_ops()
     start = time.thread_time()
-    tensors = torch_xla._XLAC._xla_user_computation("xla::floor", tensors, computation)
+    tensors = torch_xla_private.user_computation("xla::floor", tensors, computation)
     torch_xla.sync()
     if i >= 6:  # the first calls compile
       times.append((time.thread_time() - start) * 1e3)
   return statistics.median(times), len(tensors)
 
 
-def run(config, mode, steps):
-  proc = subprocess.run([sys.executable, __file__, "--child", config, mode, str(steps)],
-                        capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-  if proc.returncode != 0:
-    raise RuntimeError(f"{config} {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def summarize(runs):
+def summarize(results):
+  """One row per (config, mode): medians [min, max] over rounds; each part's median."""
   rows = []
-  keys = ["host_ms", "step_cpu_ms", "sync_cpu_ms", "anchor_ms", "floor_ms"]
-  for config in dict.fromkeys(r["config"] for r in runs):
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-      mine = [r for r in runs if r["config"] == config and r["mode"] == mode]
-      if not mine:
-        continue
-      row = {"config": config, "mode": mode, "params": mine[0]["params"],
-             "tensors": mine[0]["tensors"], "rounds": len(mine)}
-      for key in keys:
-        values = [r[key] for r in mine]
-        row[key] = [statistics.median(values), min(values), max(values)]
-      row["parts"] = {part: statistics.median(r["parts"][part] for r in mine)
-                      for part in mine[0]["parts"]}
-      rows.append(row)
+  for (config, mode), runs in results.items():
+    rows.append({"config": config, "mode": mode, "params": runs[0]["params"],
+                 "tensors": runs[0]["tensors"], "rounds": len(runs),
+                 **harness.spreads(runs, ["host_ms", "step_cpu_ms", "sync_cpu_ms", "anchor_ms",
+                                          "floor_ms"]),
+                 "parts": {part: statistics.median(r["parts"][part] for r in runs)
+                           for part in runs[0]["parts"]}})
   return rows
 
 
 def show(rows):
-  print(f"{'config':<7}{'mode':<27}{'params':>7}{'tensors':>8}{'host ms':>22}{'step cpu':>10}"
-        f"{'sync cpu':>10}{'jax.jit':>9}{'torch_xla floor':>16}")
-  for r in rows:
-    span = lambda k: f"{r[k][0]:.2f} [{r[k][1]:.2f}-{r[k][2]:.2f}]"  # noqa: E731
-    print(f"{r['config']:<7}{r['mode']:<27}{r['params']:>7}{r['tensors']:>8}{span('host_ms'):>22}"
-          f"{r['step_cpu_ms'][0]:>10.2f}{r['sync_cpu_ms'][0]:>10.2f}{r['anchor_ms'][0]:>9.2f}"
-          f"{r['floor_ms'][0]:>16.2f}")
+  median = lambda key: lambda row: row[key][0]  # noqa: E731
+  print(harness.table(rows, [
+      ("config", "config"), ("mode", "mode"), ("params", "params"), ("tensors", "tensors"),
+      ("host ms", "host_ms", ".2f"), ("step cpu", median("step_cpu_ms"), ".2f"),
+      ("sync cpu", median("sync_cpu_ms"), ".2f"), ("jax.jit", median("anchor_ms"), ".2f"),
+      ("torch_xla floor", median("floor_ms"), ".2f")]))
   for r in rows:
     parts = ", ".join(f"{name} {ms:.2f}" for name, ms in r["parts"].items() if ms >= 0.01)
     print(f"  {r['config']} {r['mode']}: {parts}")
 
 
-def main():
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
-    return
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=20)
@@ -245,18 +228,16 @@ def main():
   parser.add_argument("--modes", nargs="+", default=list(MODES))
   parser.add_argument("--json", default="scripts/out/bench_host.json")
   opts = parser.parse_args()
-  runs = []
-  for round_ in range(opts.rounds):
-    for config in opts.configs:
-      for mode in opts.modes:
-        runs.append(run(config, mode, opts.steps))
-        print(f"round {round_}: {config} {mode}: host {runs[-1]['host_ms']:.2f} ms", flush=True)
-  rows = summarize(runs)
+  results = harness.rounds(
+      [(config, mode) for config in opts.configs for mode in opts.modes], opts.rounds,
+      lambda config, mode: harness.run_child(__file__, [config, mode, opts.steps],
+                                             {"PJRT_DEVICE": "CPU"}),
+      describe=lambda run: f"host {run['host_ms']:.2f} ms")
+  rows = summarize(results)
   show(rows)
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"runs": runs, "rows": rows, "load": os.getloadavg()}, f, indent=1)
+  harness.write_json(opts.json, {"runs": harness.in_order(results), "rows": rows,
+                                 "load": os.getloadavg()})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

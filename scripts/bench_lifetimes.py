@@ -23,10 +23,10 @@ import gc
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import warnings
 import weakref
+
+import harness
 
 ENTRY_POINTS = ("lazytensor", "BridgeModule", "bridge_modules", "bridge", "assume_pure",
                 "train_step", "StackedLayers", "scan_layers", "fallback", "fallback train_step")
@@ -101,7 +101,7 @@ def _refs(model):
           [(weakref.ref(p), p.numel() * p.element_size()) for p in params])
 
 
-def child(entry, models, width, same):
+def child(entry: str, models: int, width: int, same: bool) -> list:
   import torch_xla
 
   import torch_xla_jaxbridge as jb
@@ -116,7 +116,7 @@ def child(entry, models, width, same):
                  "alive_param_mib": round(sum(n for r, n in params if r() is not None) / 2**20, 2),
                  "cache_entries": jb.cache_info().currsize,
                  "report_rows": len(jb.bridge_report().rows)})
-  print(json.dumps(rows))
+  return rows
 
 
 def _slope(values):
@@ -126,7 +126,7 @@ def _slope(values):
   return num / sum((i - mean_x) ** 2 for i in range(n))
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", type=int, default=20)
   parser.add_argument("--width", type=int, default=512)
@@ -134,20 +134,14 @@ def main():
   parser.add_argument("--same", action="store_true", help="every model of one width")
   parser.add_argument("--entries", nargs="*", default=list(ENTRY_POINTS))
   parser.add_argument("--out", type=pathlib.Path)
-  parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.child:
-    return child(args.child, args.models, args.width, args.same)
   settings = {"models": args.models, "width": args.width, "same": args.same}
   results = {}
   if args.out and args.out.exists():  # entries measured before with the same settings: kept
     earlier = json.loads(args.out.read_text())
     results = earlier["results"] if {k: earlier[k] for k in settings} == settings else {}
   for entry in args.entries:
-    command = [sys.executable, __file__, "--child", entry, "--models", str(args.models),
-               "--width", str(args.width)] + (["--same"] if args.same else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = harness.run_child(__file__, [entry, args.models, args.width, args.same])
     growth = _slope([r["rss_mib"] for r in rows[args.warmup:]])
     results[entry] = {"rss_growth_mib_per_model": round(growth, 2), "per_model": rows}
     last = rows[-1]
@@ -156,8 +150,8 @@ def main():
           f"{sum(r['alive_param_mib'] for r in rows):6.2f} MiB)  cache entries at the end: "
           f"{last['cache_entries']:3d}  report rows: {last['report_rows']:3d}", flush=True)
     if args.out:  # after each entry: a run cut short keeps what it measured
-      args.out.write_text(json.dumps({**settings, "results": results}, indent=1) + "\n")
+      harness.write_json(args.out, {**settings, "results": results})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

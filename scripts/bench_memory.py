@@ -18,8 +18,8 @@ scripts/out/bench_memory.json).
 import argparse
 import json
 import os
-import subprocess
-import sys
+
+import harness
 
 MODES = [("LazyTensor", None), ("BridgeModule", None), ("BridgeModule", "dots_no_batch"),
          ("BridgeModule", "minimal"), ("BridgeModule", "full"),
@@ -119,15 +119,21 @@ def offload_bytes(mode, remat, layers, dim, seq, batch):
   return count * report.host_bytes
 
 
-def run_isolated(*args):
-  """`measure(*args)` in a fresh process (compiled programs and caches of one mode never reach
+def parse(spec):
+  """`(mode, remat)` of a `mode[:remat]` entry (`StackedLayers:full`; no remat: None)."""
+  mode, _, remat = spec.partition(":")
+  return mode, remat or None
+
+
+def child(spec: str, layers: int, dim: int, seq: int, batch: int, run: bool) -> dict:
+  """`measure` of the mode `spec` (`mode[:remat]`), in a fresh process."""
+  return measure(*parse(spec), layers, dim, seq, batch, run)
+
+
+def run_isolated(mode, remat, layers, dim, seq, batch, run=True):
+  """`measure(...)` in a fresh process (compiled programs and caches of one mode never reach
   another)."""
-  env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-  done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(args)], env=env,
-                        capture_output=True, text=True)
-  if done.returncode != 0:
-    raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return harness.run_child(__file__, [f"{mode}:{remat or ''}", layers, dim, seq, batch, run])
 
 
 def fit(mode, remat, layers, dim, seq, budget):
@@ -161,25 +167,25 @@ def _baseline(mode):
   return "LazyTensor AdamW" if mode in ADAMW_MODES else "LazyTensor"
 
 
+def mib(value):
+  return f"{value / 2**20:.1f}"
+
+
 def table(rows):
   base = {(r["mode"], r["layers"], r["dim"], r["seq"], r["batch"]): r["total_bytes"]
           for r in rows if r["mode"].startswith("LazyTensor")}
-  mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-  lines = [f"{'mode':<17}{'remat':<19}{'layers':>6}{'args MiB':>10}{'out MiB':>9}"
-           f"{'temp MiB':>10}{'total MiB':>11}{'vs Lazy':>9}{'offload MiB':>13}"]
   for r in rows:
     ref = base.get((_baseline(r["mode"]), r["layers"], r["dim"], r["seq"], r["batch"]))
     r["vs_lazytensor"] = round(r["total_bytes"] / ref, 3) if ref else None
-    lines.append(f"{r['mode']:<17}{r['remat']:<19}{r['layers']:>6}{mb(r['argument_bytes']):>10}"
-                 f"{mb(r['output_bytes']):>9}{mb(r['temp_bytes']):>10}"
-                 f"{mb(r['total_bytes']):>11}{r['vs_lazytensor'] or '-':>9}"
-                 f"{mb(r['offload_bytes']):>13}")
-  return "\n".join(lines)
+  return harness.table(rows, [
+      ("mode", "mode"), ("remat", "remat"), ("layers", "layers"),
+      ("args MiB", "argument_bytes", mib), ("out MiB", "output_bytes", mib),
+      ("temp MiB", "temp_bytes", mib), ("total MiB", "total_bytes", mib),
+      ("vs Lazy", "vs_lazytensor", "g"), ("offload MiB", "offload_bytes", mib)])
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--layers", type=int, nargs="+", default=[8])
   parser.add_argument("--dim", type=int, default=256)
   parser.add_argument("--seq", type=int, default=256)
@@ -189,33 +195,9 @@ def main():
   parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "out",
                                                      "bench_memory.json"))
   opts = parser.parse_args()
-  if opts.worker:
-    print(json.dumps(measure(*json.loads(opts.worker))))
-    return
   if opts.fit:
-    modes = [(m.partition(":")[0], m.partition(":")[2] or None) for m in opts.modes or FIT_MODES]
-    rows = []
-    for mode, remat in modes:
-      batch, totals = fit(mode, remat, opts.layers[0], opts.dim, opts.seq, opts.fit)
-      rows.append({"mode": mode, "remat": str(remat), "batch": batch,
-                   "total_bytes": totals.get(batch), "trials": len(totals)})
-    base = rows[0]["batch"]
-    print(f"\nlargest batch within {opts.fit:,d} B: recipe Llama {opts.layers[0]} layers, dim "
-          f"{opts.dim}, seq {opts.seq}, SGD, AdamW in the AdamW modes (compiled XLA:CPU step)")
-    print(f"{'mode':<24}{'remat':<8}{'batch':>7}{'total MiB':>11}  vs {rows[0]['mode']}")
-    for r in rows:
-      r["vs_first"] = round(r["batch"] / base, 2) if base else None
-      total = f"{r['total_bytes'] / 2**20:.1f}" if r["total_bytes"] else "-"
-      print(f"{r['mode']:<24}{r['remat']:<8}{r['batch']:>7}{total:>11}  {r['vs_first'] or '-'}")
-    result = {"budget_bytes": opts.fit, "layers": opts.layers[0], "dim": opts.dim,
-              "seq": opts.seq, "rows": rows}
-    path = opts.json.replace(".json", "_fit.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-      json.dump(result, f, indent=2)
-    return
-  modes = MODES if not opts.modes else [
-      (m.partition(":")[0], m.partition(":")[2] or None) for m in opts.modes]
+    return fit_all(opts)
+  modes = [parse(m) for m in opts.modes] if opts.modes else MODES
   rows = []
   for layers in opts.layers:
     for mode, remat in modes:
@@ -225,10 +207,29 @@ def main():
         f"AdamW, against LazyTensor AdamW); compiled XLA:CPU step (jb.memory_report); "
         f"offload: host bytes on TPU (lower_bridged)")
   print(table(rows))
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"dim": opts.dim, "seq": opts.seq, "batch": opts.batch, "rows": rows}, f, indent=2)
+  harness.write_json(opts.json, {"dim": opts.dim, "seq": opts.seq, "batch": opts.batch,
+                                 "rows": rows})
+
+
+def fit_all(opts):
+  """`--fit`: the largest batch of each mode within the budget, a table and JSON."""
+  rows = []
+  for mode, remat in [parse(m) for m in opts.modes or FIT_MODES]:
+    batch, totals = fit(mode, remat, opts.layers[0], opts.dim, opts.seq, opts.fit)
+    rows.append({"mode": mode, "remat": str(remat), "batch": batch,
+                 "total_bytes": totals.get(batch), "trials": len(totals)})
+  base = rows[0]["batch"]
+  for r in rows:
+    r["vs_first"] = round(r["batch"] / base, 2) if base else None
+  print(f"\nlargest batch within {opts.fit:,d} B: recipe Llama {opts.layers[0]} layers, dim "
+        f"{opts.dim}, seq {opts.seq}, SGD, AdamW in the AdamW modes (compiled XLA:CPU step)")
+  print(harness.table(rows, [("mode", "mode"), ("remat", "remat"), ("batch", "batch"),
+                             ("total MiB", "total_bytes", mib),
+                             (f"vs {rows[0]['mode']}", "vs_first", "g")]))
+  harness.write_json(opts.json.replace(".json", "_fit.json"), {
+      "budget_bytes": opts.fit, "layers": opts.layers[0], "dim": opts.dim, "seq": opts.seq,
+      "rows": rows})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

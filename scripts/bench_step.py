@@ -10,16 +10,16 @@ part of the step), compiles after warm-up (must be 0), loss after the run; host 
 into forward, backward and optimizer. `--hugepage-malloc` runs every mode with glibc's large
 blocks on transparent huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`), which takes most
 of the page faults away. Pre-norm decoder, D=256, 4 heads, seq 64, batch 4, f32, SGD (torch's,
-foreach; our modes also with jb.optim.SGD, one node per step). Prints a table and writes JSON
-(default out/bench_step.json).
+foreach; our modes also with jb.optim.SGD, one node per step). `--rounds N` alternates the
+modes over N rounds (default 1): a row per run, ratios against LazyTensor of the same round
+(median over rounds). Prints a table and writes JSON (default out/bench_step.json).
 
   python scripts/bench_step.py [--layers 8 32] [--steps 5] [--modes ...] [--hugepage-malloc]
-                               [--json PATH]
+                               [--rounds 1] [--json PATH]
 """
 import argparse
-import json
-import os
 
+import harness
 import stack_bench
 
 MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_layers",
@@ -32,45 +32,39 @@ MODES = ["LazyTensor", "upstream PureModule", "ours BridgeModule", "ours scan_la
          "native jax.jit"]
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, nargs="+", default=[8, 32])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--modes", nargs="+", default=MODES)
   parser.add_argument("--hugepage-malloc", action="store_true")
+  parser.add_argument("--rounds", type=int, default=1)
   parser.add_argument("--json", default="out/bench_step.json")
   opts = parser.parse_args()
   env = stack_bench.HUGEPAGE_MALLOC if opts.hugepage_malloc else None
-  rows = []
-  for layers in opts.layers:
-    for mode in opts.modes:
-      row = stack_bench.run_isolated(mode, layers, opts.steps, env)
-      rows.append(row)
-      print(row, flush=True)
+  results = harness.rounds(
+      [(layers, mode) for layers in opts.layers for mode in opts.modes], opts.rounds,
+      lambda layers, mode: stack_bench.run_isolated(mode, layers, opts.steps, env))
+  rows = harness.in_order(results)
   head = ("layers", "compile_s", "host_ms", "host_forward_ms", "host_backward_ms",
           "host_optimizer_ms", "step_ms", "page_faults", "compiles_after_warmup", "loss")
-  print("\n" + f"{'mode':>48}" + "".join(f"{h[:18]:>19}" for h in head))
-  for r in rows:
-    print(f"{r['mode']:>48}" + "".join(f"{str(r.get(h)):>19}" for h in head))
+  print("\n" + harness.table(rows, [("mode", "mode"), *[(h[:18], h, str) for h in head]]))
   summary = {}
-  for layers in opts.layers:
-    base = next((r for r in rows if r["layers"] == layers and r["mode"] == "LazyTensor"), None)
-    if base is None:
+  for (layers, mode), runs in results.items():
+    base = results.get((layers, "LazyTensor"))
+    if base is None or mode == "LazyTensor":
       continue
-    for r in rows:
-      if r["layers"] == layers and r["mode"] != "LazyTensor":
-        summary[f"L{layers} {r['mode']} step/LazyTensor"] = round(r["step_ms"] / base["step_ms"], 2)
-        if r["host_ms"] is not None:
-          summary[f"L{layers} {r['mode']} host/LazyTensor"] = round(r["host_ms"] / base["host_ms"],
-                                                                    3)
+    summary[f"L{layers} {mode} step/LazyTensor"] = round(
+        harness.ratio(runs, base, "step_ms")[0], 2)
+    host = harness.ratio(runs, base, "host_ms")
+    if host is not None:
+      summary[f"L{layers} {mode} host/LazyTensor"] = round(host[0], 3)
   print("ratios (targets at L=32: best step <= 1.0, host <= 0.1):")
   for k, v in summary.items():
     print(f"  {k}: {v}")
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"config": {**stack_bench.CONFIG, "environment": env or {}}, "rows": rows,
-               "ratios": summary}, f, indent=2)
+  harness.write_json(opts.json, {"config": {**stack_bench.CONFIG, "environment": env or {}},
+                                 "rows": rows, "ratios": summary})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main)

@@ -7,11 +7,10 @@ Modes: `plain` (the unmodified Trainer), `layers` (`jb.bridge_modules(model,
 heads, 2 key/value heads, default `sdpa` attention), batch 4 x 128 tokens. First step: from
 `train()` to the end of step 1 (trace and compile included); steady: median of the later steps.
 
-  python scripts/bench_trainer.py [--layers 4] [--steps 10] [--rounds 3] [--json out/bench_trainer.json]
+  python scripts/bench_trainer.py [--layers 4] [--steps 10] [--rounds 3]
+      [--json scripts/out/bench_trainer.json]
 """
 import argparse
-import os
-import sys
 import tempfile
 import time
 
@@ -20,7 +19,7 @@ import harness
 MODES = ("plain", "layers", "layers + jb AdamW")
 
 
-def child(mode, layers, steps):
+def child(mode: str, layers: int, steps: int) -> dict:
   import torch
   import transformers as tf
 
@@ -60,7 +59,7 @@ def child(mode, layers, steps):
           "fallbacks": fell_back}
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--steps", type=int, default=10)
@@ -69,11 +68,10 @@ def main():
   opts = parser.parse_args()
   runs = harness.rounds([(m,) for m in MODES], opts.rounds,
                         lambda mode: harness.run_child(__file__, [mode, opts.layers, opts.steps]))
-  base = {key: harness.spread(r[key] for r in runs[("plain",)]) for key in ("first_s", "steady_ms")}
+  base = harness.spreads(runs[("plain",)], ["first_s", "steady_ms"])
   rows = []
   for (mode,), results in runs.items():
-    row = {"mode": mode, **{k: harness.spread(r[k] for r in results)
-                             for k in ("first_s", "steady_ms")}}
+    row = {"mode": mode, **harness.spreads(results, ["first_s", "steady_ms"])}
     row["speedup"] = base["steady_ms"][0] / row["steady_ms"][0]
     row["first_ratio"] = row["first_s"][0] / base["first_s"][0]
     row["loss"] = results[0]["loss"]
@@ -89,10 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-  if sys.argv[1:2] == ["--child"]:
-    import json
-
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
-    print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
-  else:
-    main()
+  harness.main(main, child)

@@ -13,7 +13,6 @@ that read upstream's private caches, helpers or internal error texts are left ou
   python scripts/conformance.py PATH_TO_PYTORCH_XLA_CHECKOUT [--only test_scan.py ...] [--json P]
 """
 import argparse
-import json
 import os
 import pathlib
 import re
@@ -22,6 +21,8 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+
+import harness
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -204,7 +205,7 @@ def main():
         print(f"{rel} {names}: {row[names]['passed']}/{row[names]['total']} passed "
               f"({row[names]['seconds']} s) failed: {row[names]['failed']}", flush=True)
       rows.append(row)
-      write(opts.json, rows)  # after each file: a long run keeps what it measured
+      harness.write_json(opts.json, rows)  # after each file: a long run keeps what it measured
   print(f"\n{'file':<34}{'upstream':>10}{'ours':>10}  ours failed where upstream passed")
   for row in rows:
     up, ours = row["upstream"], row["ours"]
@@ -215,12 +216,6 @@ def main():
     for name, reason in row["excluded"].items():
       print(f"excluded {pathlib.Path(row['file']).name}::{name}*: {reason}")
   print(f"wrote {opts.json}")
-
-
-def write(path, rows):
-  out = pathlib.Path(path)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

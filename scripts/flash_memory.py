@@ -9,8 +9,6 @@ are XLA:CPU's buffer assignment, not a TPU's. Prints a table, writes JSON.
   python scripts/flash_memory.py [--seq 256 512 1024] [--json out/flash_memory.json]
 """
 import argparse
-import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,8 @@ import torch_xla
 
 import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge.recipes import llama
+
+import harness
 
 
 def temp_bytes(attention, seq):
@@ -35,22 +35,20 @@ def temp_bytes(attention, seq):
   return jb.memory_report(step).temp_bytes
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024])
   parser.add_argument("--json", default="out/flash_memory.json")
   opts = parser.parse_args()
   rows = [{"seq": seq, "reference_temp_bytes": temp_bytes("reference", seq),
            "flash_temp_bytes": temp_bytes("flash", seq)} for seq in opts.seq]
-  print(f"{'seq':>6}{'reference temp MB':>20}{'flash temp MB':>16}{'ratio':>8}")
   for r in rows:
     r["ratio"] = round(r["reference_temp_bytes"] / r["flash_temp_bytes"], 2)
-    print(f"{r['seq']:>6}{r['reference_temp_bytes'] / 2**20:>20.2f}"
-          f"{r['flash_temp_bytes'] / 2**20:>16.2f}{r['ratio']:>8}")
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump(rows, f, indent=2)
+  mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+  print(harness.table(rows, [("seq", "seq"), ("reference temp MB", "reference_temp_bytes", mb),
+                             ("flash temp MB", "flash_temp_bytes", mb), ("ratio", "ratio", str)]))
+  harness.write_json(opts.json, rows)
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main)

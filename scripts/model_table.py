@@ -10,18 +10,17 @@ holds the table.
   python scripts/model_table.py [--models zoo-llama bart ...] [--json scripts/out/model_table.json]
 """
 import argparse
-import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
+
+import harness
 
 TEST = pathlib.Path(__file__).resolve().parents[1] / "test"
 LEFT_PADDED = ("zoo-llama", "qwen3")  # decoders also run on left-padded batches
 
 
-def child(name, padding):
+def child(name: str, padding: str) -> dict:
   sys.path.insert(0, str(TEST))
   import heldout
   import zoo
@@ -40,10 +39,7 @@ def child(name, padding):
           "traces": jb.cache_info().misses, "seconds": time.perf_counter() - start}
 
 
-def main():
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    print(json.dumps(child(sys.argv[2], sys.argv[3])))
-    return
+def main() -> None:
   sys.path.insert(0, str(TEST))
   import heldout
   import zoo
@@ -54,22 +50,15 @@ def main():
   parser.add_argument("--json", default="scripts/out/model_table.json")
   opts = parser.parse_args()
   rows = []
-  print(f"{'model':<16}{'padding':<9}{'status':<10}{'loss rel':>10}{'norm rel':>10}{'traces':>8}"
-        f"  reason")
   for name in opts.models:
     for padding in ("left", "right") if name in LEFT_PADDED else ("right",):
-      proc = subprocess.run([sys.executable, __file__, "--child", name, padding],
-                            capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-      if proc.returncode != 0:
-        raise RuntimeError(f"{name} ({padding}) failed:\n{proc.stderr[-3000:]}")
-      row = json.loads(proc.stdout.strip().splitlines()[-1])
-      rows.append(row)
-      print(f"{name:<16}{padding:<9}{row['status']:<10}{row['loss_rel']:>10.1e}"
-            f"{row['grad_norm_rel']:>10.1e}{row['traces']:>8}  {row['reason'][:90]}", flush=True)
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump(rows, f, indent=1)
+      rows.append(harness.run_child(__file__, [name, padding], {"PJRT_DEVICE": "CPU"}))
+      print(f"{name} ({padding}): {rows[-1]['status']}", flush=True)
+  print(harness.table(rows, [("model", "model"), ("padding", "padding"), ("status", "status"),
+                             ("loss rel", "loss_rel", ".1e"), ("norm rel", "grad_norm_rel", ".1e"),
+                             ("traces", "traces"), ("reason", lambda r: r["reason"][:90])]))
+  harness.write_json(opts.json, rows)
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main, child)

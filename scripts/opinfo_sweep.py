@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+import harness
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEST = ROOT / "test"
 CHILD_TIMEOUT_S = 900
@@ -134,11 +136,9 @@ def main() -> None:
   print("\nbridged code falls back where LazyTensor passes, by cause:")
   for name, ops in classes.items():
     print(f"  {name}: {len(ops)}: {' '.join(ops)}")
-  out = pathlib.Path(args.json)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"samples": args.samples, "summary": counts,
-                             "fallback_classes": classes, "ops": rows}, indent=1))
-  print(f"\nwrote {out}")
+  harness.write_json(args.json, {"samples": args.samples, "summary": counts,
+                                 "fallback_classes": classes, "ops": rows})
+  print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

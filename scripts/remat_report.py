@@ -9,8 +9,6 @@ bridged model on the XLA CPU device; writes JSON (default out/remat_report.json)
 """
 import argparse
 import copy
-import json
-import os
 import statistics
 import time
 import warnings
@@ -20,6 +18,8 @@ import torch
 import torch_xla
 
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer, Llama
+
+import harness
 
 POLICIES = [None, *jb.remat.presets()]
 BATCH, SEQ, DIM, LAYERS = 4, 64, 128, 4
@@ -55,7 +55,7 @@ def step_ms(remat, steps):
   return statistics.median(times)
 
 
-def main():
+def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--json", default="out/remat_report.json")
@@ -83,14 +83,10 @@ def main():
         f"bridging; step = fwd+bwd+SGD on XLA:CPU (offload is a no-op on CPU)")
   header = ("policy", "layer_residual_bytes", "layer_host_bytes", "model_residual_bytes",
             "layer_temp_bytes", "step_ms")
-  print("".join(f"{h:>22}" for h in header))
-  for r in rows:
-    print("".join(f"{str(r[h]):>22}" for h in header))
-  os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-  with open(opts.json, "w") as f:
-    json.dump({"batch": BATCH, "seq": SEQ, "dim": DIM, "layers": LAYERS, "rows": rows}, f,
-              indent=2)
+  print(harness.table(rows, [(h, h, str) for h in header]))
+  harness.write_json(opts.json, {"batch": BATCH, "seq": SEQ, "dim": DIM, "layers": LAYERS,
+                                 "rows": rows})
 
 
 if __name__ == "__main__":
-  main()
+  harness.main(main)

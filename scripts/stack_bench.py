@@ -5,14 +5,10 @@ Each (mode, depth) runs in a fresh process (`run_isolated`): run one after anoth
 process, later modes were slower (host 8.0 ms for a mode run first, 9.5 ms after LazyTensor, 13.5
 ms after seven other modes) and shared compiled programs and caches.
 
-  python scripts/stack_bench.py MODE LAYERS STEPS   # one row as JSON, on the last line
+  python scripts/stack_bench.py --child MODE LAYERS STEPS   # one row as JSON, on the last line
 """
-import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import torch_xla_jaxbridge as jb
@@ -24,6 +20,8 @@ from torch_xla.experimental.assume_pure import PureModule
 from torch_xla.experimental.scan_layers import scan_layers as upstream_scan_layers
 
 from torch_xla_jaxbridge.recipes.llama import DecoderLayer
+
+import harness
 
 D, HEADS, SEQ, BATCH = 256, 4, 64, 4
 CONFIG = {"D": D, "heads": HEADS, "seq": SEQ, "batch": BATCH,
@@ -118,11 +116,7 @@ def run_isolated(mode, layers, steps, env=None):
   """`run` (or `native_jax`) in a fresh Python process, with `env` added to its environment (e.g.
   `HUGEPAGE_MALLOC`: glibc backs its large blocks with transparent huge pages); returns its
   result row."""
-  done = subprocess.run([sys.executable, __file__, mode, str(layers), str(steps)],
-                        capture_output=True, text=True, env={**os.environ, **(env or {})})
-  if done.returncode != 0:
-    raise RuntimeError(f"{mode} at {layers} layers failed:\n{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return harness.run_child(__file__, [mode, layers, steps], env)
 
 
 def page_faults():
@@ -178,18 +172,21 @@ def run(mode, layers, steps):
   return {"mode": mode, "layers": layers, "compile_s": round((warm[1] - before[1]) / 1e9, 2),
           "first_step_s": round(first_s, 2), "host_ms": round(statistics.median(host), 2),
           **{f"host_{k}_ms": round(statistics.median(v), 2) for k, v in parts.items()},
-          "step_ms": round(statistics.median(times), 1), "page_faults": int(statistics.median(faults)),
+          "step_ms": round(statistics.median(times), 1),
+          "page_faults": int(statistics.median(faults)),
           "compiles_after_warmup": after[0] - warm[0],
           "loss": round(loss.item(), 6)}
 
 
-if __name__ == "__main__":
-  mode, layers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def child(mode: str, layers: int, steps: int) -> dict:
+  """One row, after a one-time set-up of XLA (or JAX) that is not the model's."""
   if mode == "native jax.jit":
     import jax
     jax.jit(lambda a: a + 1)(1.0).block_until_ready()  # one-time JIT set-up, not the model's
-    row = native_jax(layers, steps)
-  else:
-    (torch.ones(2, device=torch_xla.device()) + 1).cpu()  # one-time XLA set-up, likewise
-    row = run(mode, layers, steps)
-  print(json.dumps(row))
+    return native_jax(layers, steps)
+  (torch.ones(2, device=torch_xla.device()) + 1).cpu()  # one-time XLA set-up, likewise
+  return run(mode, layers, steps)
+
+
+if __name__ == "__main__":
+  harness.main(lambda: "usage: python scripts/stack_bench.py --child MODE LAYERS STEPS", child)

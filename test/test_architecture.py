@@ -1,6 +1,7 @@
 """The package's layout rules, checked on its source: which package may import which, no private
-name of another package, no cycle, recipes and scripts on the public API only, other libraries'
-internals only in `_compat`, sizes, and type hints on the public API (ARCHITECTURE.md)."""
+name of another package, no cycle, recipes on the public API only and scripts on it and `_compat`,
+other libraries' internals only in `_compat` (in the package and in scripts), sizes, and type
+hints on the public API (ARCHITECTURE.md)."""
 import ast
 import inspect
 import pathlib
@@ -213,17 +214,51 @@ def test_no_private_name_of_another_package_is_used():
   assert not offenders, "\n".join(offenders)
 
 
-def test_recipes_and_scripts_use_only_the_public_api():
+SCRIPTS = ROOT / "scripts"
+
+
+def non_public_imports(path, sealed_allowed):
+  """`file:line: import` for each import in `path` of the package's private modules; with
+  `sealed_allowed` (scripts/), `_compat`'s modules are allowed: the one way a script reaches
+  another library's internals (a benchmark of torch_xla's own entry points), as the package
+  does."""
   offenders = []
-  for path in [*(PACKAGE / "recipes").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
-    for module, names, line in imports(path):
-      parts = module.split(".")
-      public = (len(parts) == 1 and all(n in jb.__all__ or n == "recipes" for n in names)) or (
-          parts[1] in PUBLIC_MODULES | {"recipes"} and not any(
-              p.startswith("_") for p in parts[2:] + names))
-      if not public:
-        offenders.append(f"{path.relative_to(ROOT)}:{line}: {module} {names}")
+  for module, names, line in imports(path):
+    parts = module.split(".")
+    public = (len(parts) == 1 and all(n in jb.__all__ or n == "recipes" for n in names)) or (
+        parts[1] in PUBLIC_MODULES | {"recipes"} and not any(
+            p.startswith("_") for p in parts[2:] + names))
+    sealed = sealed_allowed and parts[1:2] == ["_compat"] and not any(
+        p.startswith("_") for p in parts[2:] + names)
+    if not (public or sealed):
+      offenders.append(f"{path.relative_to(ROOT)}:{line}: {module} {names}")
+  return offenders
+
+
+def test_recipes_use_only_the_public_api_and_scripts_also_compat():
+  offenders = []
+  for path in (PACKAGE / "recipes").rglob("*.py"):
+    offenders += non_public_imports(path, sealed_allowed=False)
+  for path in SCRIPTS.glob("*.py"):
+    offenders += non_public_imports(path, sealed_allowed=True)
   assert not offenders, "\n".join(offenders)
+
+
+def test_the_public_api_check_allows_scripts_compat_and_nothing_else_private(tmp_path):
+  sample = tmp_path / "bench_sample.py"
+  sample.write_text(f"import {NAME} as jb\nfrom {NAME}._compat import torch_xla_private\n"
+                    f"from {NAME}._core import call\nfrom {NAME}._compat.jax_private import _jax\n"
+                    f"from {NAME}.recipes import train\n")
+  global ROOT
+  saved, ROOT = ROOT, tmp_path
+  try:
+    as_script = non_public_imports(sample, sealed_allowed=True)
+    as_recipe = non_public_imports(sample, sealed_allowed=False)
+  finally:
+    ROOT = saved
+  assert [f.split(": ", 1)[1] for f in as_script] == [
+      f"{NAME}._core ['call']", f"{NAME}._compat.jax_private ['_jax']"]
+  assert len(as_recipe) == 3
 
 
 # --- other libraries' internals only in _compat --------------------------------------------------
@@ -267,6 +302,10 @@ def _sealed(name):
   return any(name == s or name.startswith(s + ".") for s in SEALED)
 
 
+# a named tuple's documented methods: the underscore only keeps them apart from field names
+NAMED_TUPLE_API = {"_asdict", "_replace", "_make", "_fields", "_field_defaults"}
+
+
 def foreign_private_uses(path, own):
   """`file:line: what` for each private attribute of another library's object read in `path`,
   each import of another library's private module, and each use of a sealed module."""
@@ -279,7 +318,8 @@ def foreign_private_uses(path, own):
     elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not (
         node.attr.startswith("__") and node.attr.endswith("__")):
       base = node.value
-      if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or node.attr in own:
+      if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or node.attr in own or (
+          node.attr in NAMED_TUPLE_API):
         continue
       if not _is_op_namespace(node):
         found.append(f"{where}: {ast.unparse(node)}")
@@ -297,7 +337,7 @@ def foreign_private_uses(path, own):
 
 
 def test_private_internals_of_other_libraries_only_in_compat():
-  paths = list(PACKAGE.rglob("*.py"))
+  paths = list(PACKAGE.rglob("*.py")) + list(SCRIPTS.glob("*.py"))
   own = _own_private_names(paths)
   offenders = []
   for path in paths:
@@ -323,6 +363,23 @@ def test_the_private_internal_check_finds_them(tmp_path):
       "import torch._dynamo", "from jax._src import ...", "torch_xla._XLAC", "module._parameters",
       "from jax.interpreters import ...", "jax.extend"
   ]) and all(f.startswith(str(relative)) for f in found)
+
+
+def test_the_private_internal_check_finds_them_in_a_script(tmp_path):
+  sample = tmp_path / "scripts" / "bench_sample.py"
+  sample.parent.mkdir()
+  sample.write_text("import torch_xla\nout = None\n"
+                    "torch_xla._XLAC._xla_sync_multi([out], [], True)\n"
+                    "info = jb.cache_info()._asdict()\n")
+  global ROOT
+  saved, ROOT = ROOT, tmp_path
+  try:
+    found = foreign_private_uses(sample, _own_private_names([sample]))
+  finally:
+    ROOT = saved
+  assert sorted(f.split(": ", 1)[1] for f in found) == [
+      "torch_xla._XLAC", "torch_xla._XLAC._xla_sync_multi"]
+  assert all(f.startswith("scripts/bench_sample.py:3") for f in found)
 
 
 def test_no_compat_function_hands_out_a_module():

@@ -1,10 +1,10 @@
 """Recipe checkpoints: exact restore of model, optimizer and random state; torn checkpoints
 skipped with a warning naming them; a training process killed while saving resumes on the same
-loss curve; a checkpoint saved on one mesh resumes on another and on one device."""
+loss curve. A checkpoint saved on one mesh resuming on another and on one device is in test_spmd.py
+(it reads the 4-device run's facts, which that test group starts anyway)."""
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -227,21 +227,3 @@ def test_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path,
   assert losses == pytest.approx(uninterrupted, rel=1e-6)
   assert checkpoint.latest(out / "checkpoints") == out / "checkpoints" / "step_000003"
   assert not partial.exists()
-
-
-def test_resume_onto_another_mesh_and_one_device(facts, recipe_run, tmp_path):
-  """(4, 1) saves (test_spmd.py's recipe run), (2, 2) resumes from step 1 and saves, one device
-  resumes from step 2: each next loss is the uninterrupted one-device run's."""
-  found = facts["recipe_resharded"]
-  assert "error" not in found, found.get("error")
-  uninterrupted = recipe_run()[0]
-  assert found["resumed"] == pytest.approx(uninterrupted[1:], rel=1e-4)
-  assert "{devices=[2,2]0,1,2,3}" in found["param_shardings"].values()
-  # every entry saved from (2, 2) too: partially replicated norm weights included
-  assert found["keys_resharded"] == found["keys_fsdp4"]
-  assert len([k for k in found["keys_fsdp4"] if k.startswith("model.")]) == 39
-  shutil.copytree(pathlib.Path(found["checkpoints"]) / "step_000002",
-                  tmp_path / "checkpoints" / "step_000002")
-  last = train.train(config.load(["train.steps=3", "train.checkpoint_every=0", "resume=true",
-                                  f"out={tmp_path}"]), log=lambda line: None)
-  assert last == pytest.approx(uninterrupted[2:], rel=1e-4)

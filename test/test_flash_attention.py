@@ -143,6 +143,7 @@ def test_attention_config_key():
     config.load(["model.attention=flash", "remat.bridge=none"])
 
 
+@pytest.mark.slow  # 40-90 s (make slow)
 def test_the_recipe_trains_with_flash_as_with_the_reference(recipe_run):
   flash, _ = recipe_run("model.attention=flash")
   reference, _ = recipe_run()

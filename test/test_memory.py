@@ -54,6 +54,7 @@ def _stacked_step(remat):
   return step
 
 
+@pytest.mark.slow  # 40-85 s (make slow)
 def test_stacked_layers_full_remat_needs_less_temp():
   none = jb.memory_report(_stacked_step(None))
   full = jb.memory_report(_stacked_step("full"))

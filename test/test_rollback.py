@@ -154,6 +154,7 @@ def _wav2vec2():
   return Wav2Vec2ForCTC(config).train()
 
 
+@pytest.mark.slow  # 40-120 s (make slow)
 def test_wav2vec2_with_its_numpy_time_masks_trains_through_train_step_as_eager_does():
   """Its time masks are drawn with NumPy's global stream: the step that falls back draws them
   once, as eager does, so the masked positions and the losses are eager's."""

@@ -5,6 +5,9 @@ SPMD is process-global and irreversible, so the 4-device checks run once, in one
 (test/spmd_check.py, which prints its facts as JSON; conftest.py starts it before the first test,
 so it runs alongside the rest of the suite); each test asserts on its part.
 """
+import pathlib
+import shutil
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ import torch_xla_jaxbridge as jb
 from parity import part
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._integrations import spmd
-from torch_xla_jaxbridge.recipes import sharding
+from torch_xla_jaxbridge.recipes import config, sharding, train
 
 TOL = 1e-4
 FSDP_ROW, FSDP_COL = "{devices=[4,1]0,1,2,3}", "{devices=[1,4]0,1,2,3}"
@@ -176,3 +179,21 @@ def test_tiles_match_torch_xla_notation():
   assert str(tiles) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
   assert tiles.insert_dim(0).dims == (1, 2, 1, 2)
   assert str(spmd.Tiles((1, 1), (), False)) == "{replicated}"
+
+
+def test_resume_onto_another_mesh_and_one_device(facts, recipe_run, tmp_path):
+  """(4, 1) saves (test_spmd.py's recipe run), (2, 2) resumes from step 1 and saves, one device
+  resumes from step 2: each next loss is the uninterrupted one-device run's."""
+  found = facts["recipe_resharded"]
+  assert "error" not in found, found.get("error")
+  uninterrupted = recipe_run()[0]
+  assert found["resumed"] == pytest.approx(uninterrupted[1:], rel=1e-4)
+  assert "{devices=[2,2]0,1,2,3}" in found["param_shardings"].values()
+  # every entry saved from (2, 2) too: partially replicated norm weights included
+  assert found["keys_resharded"] == found["keys_fsdp4"]
+  assert len([k for k in found["keys_fsdp4"] if k.startswith("model.")]) == 39
+  shutil.copytree(pathlib.Path(found["checkpoints"]) / "step_000002",
+                  tmp_path / "checkpoints" / "step_000002")
+  last = train.train(config.load(["train.steps=3", "train.checkpoint_every=0", "resume=true",
+                                  f"out={tmp_path}"]), log=lambda line: None)
+  assert last == pytest.approx(uninterrupted[2:], rel=1e-4)

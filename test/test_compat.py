@@ -232,6 +232,40 @@ def test_module_tables_are_the_live_dicts():
   assert torch_private.children_table(wrapper) is torch_private.children_table(lin)
 
 
+def test_hook_tables_are_the_live_dicts_of_each_kind():
+  lin = torch.nn.Linear(2, 2)
+  tables = torch_private.hook_tables(lin)
+  handles = [lin.register_forward_pre_hook(lambda m, i: None),
+             lin.register_forward_hook(lambda m, i, o: None),
+             lin.register_full_backward_pre_hook(lambda m, g: None),
+             lin.register_full_backward_hook(lambda m, gi, go: None)]
+  assert [len(t) for t in tables] == [1, 1, 1, 1] and torch_private.has_hooks(lin)
+  assert len(torch_private.HOOK_KINDS) == len(tables)
+  for handle in handles:
+    handle.remove()
+  assert not any(tables) and not torch_private.has_hooks(lin)
+  lin.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True)
+  assert len(tables[1]) == 1 and torch_private.has_hooks(lin)
+  old_style = torch.nn.Linear(2, 2)
+  old_style.register_backward_hook(lambda m, gi, go: None)  # a backward hook too
+  assert len(torch_private.hook_tables(old_style)[3]) == 1
+
+
+def test_global_hook_tables_are_the_live_dicts_of_each_kind():
+  from torch.nn.modules import module
+  tables = torch_private.global_hook_tables()
+  handles = [module.register_module_forward_pre_hook(lambda m, i: None),
+             module.register_module_forward_hook(lambda m, i, o: None),
+             module.register_module_full_backward_pre_hook(lambda m, g: None),
+             module.register_module_full_backward_hook(lambda m, gi, go: None)]
+  try:
+    assert [len(t) for t in tables] == [1, 1, 1, 1]
+  finally:
+    for handle in handles:
+      handle.remove()
+  assert not any(tables)
+
+
 def test_torch_pytrees_round_trip_a_structure_jax_does_not_know():
   from collections import OrderedDict
 

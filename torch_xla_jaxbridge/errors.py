@@ -4,8 +4,10 @@
 class BridgeError(Exception):
   """Base class of the errors raised by torch_xla_jaxbridge. `fallback_helps` says whether running
   the region as plain LazyTensor code instead could help (false for a misuse of a feature that
-  exists only in bridged code)."""
+  exists only in bridged code); `lasting`, whether a region that fell back for it stays so (it
+  does unless the cause is a state of the call, such as a hook, and not of the code)."""
   fallback_helps = True
+  lasting = True
 
 
 class BadArgumentError(BridgeError, TypeError):
@@ -57,6 +59,14 @@ class NoLoweringError(BridgeError):
   """Bridged code called something the bridge cannot convert to JAX: a custom op with neither a
   registered lowering nor a traceable implementation, or an autograd Function that changes its
   inputs in place."""
+
+
+class HookError(BridgeError):
+  """A module the bridged code calls holds a forward, forward pre- or backward hook: a user
+  callback that runs at every call, which a trace would run once. The region runs that call as
+  plain LazyTensor code, where the hook runs (the next call without hooks is bridged again);
+  with `fallback=False` this is raised."""
+  lasting = False
 
 
 class UsageError(BadArgumentError):

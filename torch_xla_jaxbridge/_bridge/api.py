@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from torch_xla_jaxbridge._bridge import auto, fallback as fallbacks
+from torch_xla_jaxbridge._bridge import auto, fallback as fallbacks, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
 
@@ -16,6 +16,19 @@ class Fallback:
   def __init__(self, bridged: Bridged, enabled: bool) -> None:
     self.bridged, self.enabled = bridged, enabled
     self.outcome = fallbacks.Outcome(bridged.name, "function", lambda: bridged.traces)
+
+  def call(self, bridged_call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    """`bridged_call()`, the bridged call on `args`, `kwargs`; where it cannot be bridged (or
+    fell back for good before), `run`."""
+    outcome = self.outcome
+    if not outcome.fell_back:
+      ran, outputs = rollback.attempt(bridged_call,
+                                      lambda: rollback.region_of(self.bridged.fn, args, kwargs),
+                                      lambda e: outcome.fall_back(e, self.enabled))
+      if ran:
+        outcome.bridged_again()
+        return outputs
+    return self.run(args, kwargs)
 
   def run(self, args: tuple, kwargs: dict) -> Any:
     settings = auto.Settings(self.bridged.name, None, self.enabled)

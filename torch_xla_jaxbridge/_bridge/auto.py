@@ -4,7 +4,8 @@ A `ModuleBridge` runs one module's forward bridged (one trace shared by structur
 modules). When the module cannot be bridged it records why (`fallback.Outcome`) and runs the
 module's own forward as plain LazyTensor code, with each of its submodules that holds parameters
 bridged in turn while it runs: the fallback is as narrow as the code that needs it, the way
-torch.compile breaks a graph and goes on.
+torch.compile breaks a graph and goes on. A call that finds a hook on a submodule (`_core.hooks`)
+runs so too, that call only, so that the hook runs around its own module's call every time.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, ro
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import modules
+from torch_xla_jaxbridge._core import hooks, modules
 
 # (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
 # it, so it (with its traces) lives as long as one of them does
@@ -126,16 +127,23 @@ class ModuleBridge:
     """
     module = self._module()
     if not self.outcome.fell_back:
-      bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
-      settings = self.state.settings()
-      ran, outputs = rollback.attempt(
-          lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings, args,
-                                     kwargs),
-          lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
-      if ran:
-        return outputs
+      hooked = hooks.hooked(self.state, self.settings.name, itself=self.settings.hooks)
+      if hooked is None or _any_traced((args, kwargs)):  # traced: the enclosing trace's hooks
+        bridged = self._bridged(module, checkpointed)
+        settings = self.state.settings()
+        ran, outputs = rollback.attempt(
+            lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings,
+                                       args, kwargs),
+            lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
+        if ran:
+          self.outcome.bridged_again()
+          return outputs
+      else:
+        self.outcome.fall_back(hook_error(hooked, self.settings.name), self.settings.fallback)
     with submodules_bridged(module, self.settings):
+      if self.settings.hooks:  # the module's own hooks too (`BridgeModule`)
+        return module(*args, **kwargs)
       return type(module).forward(module, *args, **kwargs)
 
   def _module(self) -> torch.nn.Module:
@@ -156,6 +164,18 @@ class ModuleBridge:
       self.checkpointed = shared_bridged(module, remat, self.settings.hooks)
       self.traced.append(self.checkpointed)
     return self.checkpointed
+
+
+def hook_error(hooked: str, name: str) -> errors.HookError:
+  """The passing fallback of a region whose modules hold hooks (`hooks.hooked`).
+
+  Example:
+    >>> str(hook_error("`Block.fc` holds a forward hook", "Block")).split(";")[0]
+    '`Block.fc` holds a forward hook'
+  """
+  return errors.HookError(
+      f"{hooked}; hooks run at every call, so while it does, `{name}` runs as plain LazyTensor "
+      f"code with the hooked modules outside the bridged calls (a trace would run a hook once).")
 
 
 def bridge_of(module: torch.nn.Module, settings: Settings) -> ModuleBridge:

@@ -76,18 +76,13 @@ class Bridged(Generic[_F]):
       return inline.run_inline(self, args, kwargs, seed)
     if self.fallback is None:
       return self._bridged_call(args, kwargs, seed)
-    fallback = self.fallback
-    if fallback.outcome.fell_back:
-      return fallback.run(args, kwargs)
-    ran, outputs = rollback.attempt(lambda: self._bridged_call(args, kwargs, seed),
-                                    lambda: rollback.region_of(self.fn, args, kwargs),
-                                    lambda e: fallback.outcome.fall_back(e, fallback.enabled))
-    return outputs if ran else fallback.run(args, kwargs)
+    return self.fallback.call(lambda: self._bridged_call(args, kwargs, seed), args, kwargs)
 
   def _bridged_call(self, args: tuple, kwargs: dict, seed: Seed) -> Any:
     grad_on = torch.is_grad_enabled()
     call_ = spec_.prepare(self.fn, self.name, args, kwargs,
-                          lambda t: grad_on and t.requires_grad, lift=self.lift)
+                          lambda t: grad_on and t.requires_grad, lift=self.lift,
+                          refuse_hooks=self.fallback is not None)
     device = _device(call_.diff, call_.other)
     floats, others, mutated, layout = self.keyed(
         lambda key: self._invoke(call_.spec, key, call_.diff, call_.other), device, seed)

@@ -28,7 +28,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import places, reach
 from torch_xla_jaxbridge._bridge.places import ARG, KWARG
 from torch_xla_jaxbridge._bridge.reach import SELF
-from torch_xla_jaxbridge._core import modules, runtime, threads, tracing
+from torch_xla_jaxbridge._core import hooks, modules, runtime, threads, tracing
 
 # `(where, name, kind, params, buffers, extra)`: one captured value (see `Lifted`)
 LayoutEntry = tuple[tuple, str, str, tuple[str, ...], tuple[str, ...], Any]
@@ -102,12 +102,18 @@ _TOKENS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, modules.StateWalk
 _COUNTER = itertools.count()
 
 
-def _module_state(module: torch.nn.Module) -> tuple:
+def _module_state(module: torch.nn.Module, name: str, refuse_hooks: bool) -> tuple:
   entry = _TOKENS.get(module)
   if entry is None:
     entry = _TOKENS[module] = (next(_COUNTER), modules.StateWalk(module))
   token, walk = entry
-  return (token,) + walk.state() + (walk.settings(),)
+  state = walk.state()
+  if refuse_hooks and (hooked := hooks.hooked(walk, name, itself=True)) is not None:
+    raise errors.HookError(
+        f"{hooked}; hooks run at every call, so while it does, the code reading `{name}` runs "
+        f"as plain LazyTensor code with its modules bridged one by one and the hooked ones "
+        f"outside the bridged calls (a trace would run a hook once).")
+  return (token,) + state + (walk.settings(),)
 
 
 def _direct(where: tuple) -> bool:
@@ -128,12 +134,13 @@ def _with_module_arguments(places: Sequence[tuple], values: Sequence[object], ar
 
 
 def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
-            kwargs: dict | None = None) -> Lifted | None:
+            kwargs: dict | None = None, refuse_hooks: bool = False) -> Lifted | None:
   """The tensors and modules `fn` reads from its closure, its globals, `self`, its partial's
   arguments and the objects they hold (`reach.find`), and the modules among `args` / `kwargs`,
   as they are now; None when there are none. With `xla`, a tensor found at a cell, global,
   partial argument or attribute of `self` that is not an XLA tensor is an error naming it (one
-  found deeper is left out, and `hint` names it).
+  found deeper is left out, and `hint` names it). With `refuse_hooks`, a module holding a hook
+  (itself or a submodule, `_core.hooks`) is an `errors.HookError`: the caller falls back.
 
   Example:
     >>> w = torch.ones(3)
@@ -155,7 +162,7 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
       tensors.append(value)
       layout.append((where, name, "tensor", (), (), None))
     else:
-      token, params, buffers, training, settings = _module_state(value)
+      token, params, buffers, training, settings = _module_state(value, name, refuse_hooks)
       tensors.extend(params.values())
       tensors.extend(buffers.values())
       layout.append((where, name, "module", tuple(params), tuple(buffers),
@@ -226,7 +233,7 @@ def collect_for_call(fn: Callable, fn_name: str, arguments: object) -> Lifted | 
 
 
 def with_captures(fn: Callable, fn_name: str, args: tuple, kwargs: dict | None = None, *,
-                  xla: bool = True) -> tuple:
+                  xla: bool = True, refuse_hooks: bool = False) -> tuple:
   """`args` with what `fn` captures and the modules among its arguments (`collect`) put first, or
   `args` when there are none.
 
@@ -234,7 +241,7 @@ def with_captures(fn: Callable, fn_name: str, args: tuple, kwargs: dict | None =
     >>> with_captures(torch.sin, "sin", (1,))
     (1,)
   """
-  lifted = collect(fn, fn_name, xla=xla, args=args, kwargs=kwargs)
+  lifted = collect(fn, fn_name, xla=xla, args=args, kwargs=kwargs, refuse_hooks=refuse_hooks)
   return args if lifted is None else (lifted, *args)
 
 

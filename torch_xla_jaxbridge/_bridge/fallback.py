@@ -38,6 +38,9 @@ def can_fall_back(exc: BaseException) -> bool:
 
 class Outcome:
   """How one bridged region runs: `"bridged"`, or `"fallback"` with the cause and the line.
+  `fell_back`: it runs as plain code from now on; a cause that is a state of one call (a module
+  hook, `errors.HookError`) makes that call plain only, and a later call that bridges says
+  `"bridged"` again (`bridged_again`).
 
   Example:
     >>> outcome = Outcome("Encoder", "module")
@@ -48,30 +51,39 @@ class Outcome:
   def __init__(self, name: str, kind: str, traces: Callable[[], int] = lambda: 0) -> None:
     self.name, self.kind, self.traces = name, kind, traces
     self.status, self.reason, self.where = "bridged", "", ""
+    self.fell_back = False
+    self.said: set[bool] = set()  # warned of a lasting fallback (True), of a passing one (False)
     self.order = next(_COUNTER)
     with _LOCK:
       _UNITS[self.order] = self
 
-  @property
-  def fell_back(self) -> bool:
-    return self.status == "fallback"
-
   def fall_back(self, exc: BaseException, fallback: bool) -> None:
-    """Records that the region cannot be bridged because of `exc` and says so once; re-raises
-    `exc` when `fallback` is off or when it is not a bridging error."""
+    """Records that the region cannot be bridged because of `exc` (for good, or for this call
+    where `exc.lasting` is false) and says so once; re-raises `exc` when `fallback` is off or
+    when it is not a bridging error."""
     if not fallback or not can_fall_back(exc):
       raise exc
+    lasting = bool(getattr(exc, "lasting", True))
     with _LOCK:
-      first = not self.fell_back
-      self.status = "fallback"
+      first = lasting not in self.said
+      self.said.add(lasting)
+      self.status, self.fell_back = "fallback", self.fell_back or lasting
       self.reason = f"{type(exc).__name__}: {_first_line(exc)}"
       where = diagnostics.user_frame(exc.__cause__ or exc)  # the user's line, where known
       self.where = "" if where.startswith("<") else where
     if first:
+      again = "" if lasting else " while its cause lasts"
       warnings.warn(
-          f"{self.name} runs as plain LazyTensor code ({self.reason}); the modules inside it are "
-          f"bridged where they can be. jb.bridge_report() lists what runs bridged; "
+          f"{self.name} runs as plain LazyTensor code{again} ({self.reason}); the modules inside "
+          f"it are bridged where they can be. jb.bridge_report() lists what runs bridged; "
           f"fallback=False raises instead.", errors.FallbackWarning, stacklevel=4)
+
+  def bridged_again(self) -> None:
+    """A call bridged after calls that fell back for a passing cause: the region says so."""
+    if self.status != "bridged":
+      with _LOCK:
+        if not self.fell_back:
+          self.status, self.reason, self.where = "bridged", "", ""
 
 
 def _first_line(exc: BaseException) -> str:

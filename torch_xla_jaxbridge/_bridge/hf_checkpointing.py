@@ -137,6 +137,7 @@ class Reclaim:
     >>> isinstance(layer._gradient_checkpointing_func, Direct)
     True
   """
+  traceable = True  # sets flags before the model runs: it may run in a trace (`_core.hooks`)
 
   def __init__(self, layers: list[torch.nn.Module]) -> None:
     self.layers = layers

@@ -186,12 +186,14 @@ class Prepared:
 
 
 def prepare(fn: Callable, name: str, args: tuple, kwargs: dict,
-            needs_grad: Callable[[torch.Tensor], bool], *, lift: bool = True) -> Prepared:
+            needs_grad: Callable[[torch.Tensor], bool], *, lift: bool = True,
+            refuse_hooks: bool = False) -> Prepared:
   """`fn(*args, **kwargs)`'s arguments for a bridged call: the tensors and modules `fn` reads from
   its closure, globals, `self` and partial arguments (and the objects held there), and the
   modules among the arguments, lifted into a first argument (unless `lift` is False), argument
   objects that hold tensors (a Hugging Face cache) replaced by their `Snapshot`, and the tensors
-  split by `needs_grad(t)` into `diff` and `other`.
+  split by `needs_grad(t)` into `diff` and `other`. `refuse_hooks`: a lifted module holding a
+  hook is an `errors.HookError` (`captures.collect`).
 
   Example:
     >>> w = torch.ones(2, device="xla", requires_grad=True)
@@ -201,7 +203,7 @@ def prepare(fn: Callable, name: str, args: tuple, kwargs: dict,
     (1, 1)
   """
   if lift:
-    args = captures.with_captures(fn, name, args, kwargs)
+    args = captures.with_captures(fn, name, args, kwargs, refuse_hooks=refuse_hooks)
   spec, diff, other = Spec.split((args, kwargs), needs_grad, name)
   boxed: tuple | list = ()
   if spec.has_objects:  # argument objects holding tensors: passed as their state

@@ -118,6 +118,53 @@ def reparametrized(module: torch.nn.Module, tensors: dict) -> Any:
   return stateless._reparametrize_module(module, tensors, tie_weights=False)
 
 
+# --- nn.Module's hooks: a module holding one runs outside bridged code, so they run per call ------
+# (a trace would run them once). Public alternative: none; `register_*_hook` only adds them. If
+# these names change, `test_compat` fails here.
+
+HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
+
+
+def hook_tables(module: torch.nn.Module) -> tuple[dict, dict, dict, dict]:
+  """The module's own hook dicts, the live ones, in `HOOK_KINDS` order (a full or old-style
+  backward hook is a backward hook; a `with_kwargs` or `always_call` hook is in its kind's dict).
+
+  Example:
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> _ = lin.register_forward_hook(lambda m, i, o: None)
+    >>> [len(table) for table in hook_tables(lin)]
+    [0, 1, 0, 0]
+  """
+  return (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+          module._backward_hooks)
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+  """Whether any of the module's own hook dicts (`hook_tables`) holds a hook: their reads, fast
+  (one per bridged submodule and call).
+
+  Example:
+    >>> has_hooks(torch.nn.Linear(1, 1))
+    False
+  """
+  return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+              or module._backward_hooks)
+
+
+def global_hook_tables() -> tuple[dict, dict, dict, dict]:
+  """The hook dicts of every module (`torch.nn.modules.module.register_module_forward_hook` and
+  friends), the live ones, in `HOOK_KINDS` order.
+
+  Example:
+    >>> [len(table) for table in global_hook_tables()]
+    [0, 0, 0, 0]
+  """
+  from torch.nn.modules import module
+
+  return (module._global_forward_pre_hooks, module._global_forward_hooks,
+          module._global_backward_pre_hooks, module._global_backward_hooks)
+
+
 # --- torch.utils.checkpoint -----------------------------------------------------------------------
 
 @functools.cache

@@ -53,6 +53,7 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
                                    lambda: rollback.region_of(self.bridged.fn, args, kwargs),
                                    lambda e: self.outcome.fall_back(e, self.fallback))
       if ran:
+        self.outcome.bridged_again()
         return loss
     return self._plain_step(args, kwargs)
 
@@ -75,7 +76,7 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     bridged, optimizer = self.bridged, self.optimizer
     trained = self._trained()
     prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
-                            lambda t: id(t) in trained and t.requires_grad)
+                            lambda t: id(t) in trained and t.requires_grad, refuse_hooks=True)
     if prepared.boxed:
       raise errors.UsageError(
           f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "

@@ -278,3 +278,14 @@ def test_hooks_the_forward_registers_and_removes_itself_stay_in_the_trace():
     torch.testing.assert_close(model(x.to("xla")).cpu(), eager(x))
   row = jb.bridge_report().row("Recording")
   assert row.status == "bridged" and row.traces == 1
+
+
+def test_the_packages_own_traceable_hooks_keep_a_region_bridged():
+  from torch_xla_jaxbridge._bridge import hf_checkpointing
+
+  model, x = build("bridge_modules"), inputs("bridge_modules")
+  model[0].fc.register_forward_pre_hook(hf_checkpointing.Reclaim([]))  # marked traceable
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jb.errors.FallbackWarning)
+    torch.testing.assert_close(model(x).cpu(), build("eager")(inputs("eager")))
+  assert jb.bridge_report().row("0").status == "bridged"

@@ -199,7 +199,9 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
   policies. Where the loss cannot be bridged as a whole (data-dependent Python control flow such
   as LayerDrop, an op with no lowering), the step falls back (`fallback=True`): the loss runs as
   plain LazyTensor code with the modules it reads bridged one by one, its gradients by autograd,
-  and the same optimizer update; said once and listed in `jb.bridge_report()`. A model's own loop
+  and the same optimizer update; said once and listed in `jb.bridge_report()`. A step that finds
+  a forward, pre- or backward hook on a module the loss reads runs so too (the hooks run at
+  every step, as in plain torch_xla), that step only (docs/bridge.md). A model's own loop
   over `LOOP_FROM` or more layers of one class (a `ModuleList`) whose calls trace into the same
   program runs as one loop in the step's program (one layer body, whatever the depth; the
   lengths of the loops in `step.looped`); `layer_loop=n` loops runs of `n` or more calls,

@@ -20,7 +20,7 @@ from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, ro
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import hooks, modules
+from torch_xla_jaxbridge._core import attribute_reads, hooks, modules, settings_key
 
 # (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
 # it, so it (with its traces) lives as long as one of them does
@@ -33,6 +33,7 @@ _BRIDGES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleBridge] = (
 class SharedForward(modules.Calling):
   """The forward of whichever module of one structure is being called (named by `run_for`):
   what the `Bridged` shared by structurally identical modules runs, holding none of them.
+  `reads`: the plain attributes its traces read, the only ones its calls are keyed by.
 
   Example:
     >>> layer, forward = torch.nn.Linear(2, 2), SharedForward(hooks=True)
@@ -40,24 +41,30 @@ class SharedForward(modules.Calling):
     >>> forward.run_for(layer, forward, params, buffers, training, (), (torch.ones(2),), {}).shape
     torch.Size([2])
   """
-  __slots__ = ("hooks",)
+  __slots__ = ("hooks", "reads")
 
   def __init__(self, hooks: bool) -> None:
     super().__init__()
     self.hooks = hooks
+    self.reads = settings_key.ReadSettings()
 
-  def __call__(self, params: dict, buffers: dict, training: tuple, settings: modules.Settings,
+  def __call__(self, params: dict, buffers: dict, training: tuple, settings: settings_key.Settings,
                args: tuple, kwargs: dict) -> Any:
     del settings  # read by the forward from the module itself; in the call for its cache key
-    return modules.module_forward(self.module(), params, buffers, training, args, kwargs,
-                                  hooks=self.hooks)
+    module = self.module()
+    with attribute_reads.attribute_reads(module) as reads:
+      out = modules.module_forward(module, params, buffers, training, args, kwargs,
+                                   hooks=self.hooks)
+    self.reads.add(reads)
+    return out
 
 
 def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
                    hooks: bool = True) -> Bridged[SharedForward]:
   """The bridged forward of `module`, shared with every structurally identical module (same
-  classes, shapes and attribute values) bridged under the same remat policy, and kept while a
-  caller holds it; its function is a `SharedForward`, so call it as `bridged.fn.run_for(module,
+  classes, shapes and attribute values; plain numbers and strings by type: a call compares those
+  its traces read, so Hugging Face layers differing in an unread `layer_idx` share one trace)
+  bridged under the same remat policy, and kept while a caller holds it; its function is a `SharedForward`, so call it as `bridged.fn.run_for(module,
   bridged, ...)`. With `hooks` the module's hooks run inside the bridged code (`BridgeModule`,
   whose own hooks run outside); without, its class forward runs directly (a module whose
   `forward` is the bridge's: its hooks run around the bridged call).
@@ -67,7 +74,7 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
     >>> shared_bridged(a, None) is shared_bridged(b, None)
     True
   """
-  key = modules.structure_key(module)
+  key = modules.structure_key(module, settings_by_value=False)
   found = _SHARED.get((key, remat, hooks)) if key is not None else None
   if found is None:
     found = Bridged(SharedForward(hooks), remat=remat, name=type(module).__name__, lift=False)
@@ -131,7 +138,7 @@ class ModuleBridge:
       hooked = hooks.hooked(self.state, self.settings.name, itself=self.settings.hooks)
       if hooked is None or _any_traced((args, kwargs)):  # traced: the enclosing trace's hooks
         bridged = self._bridged(module, checkpointed)
-        settings = self.state.settings()
+        settings = self.state.settings(bridged.fn.reads)
         ran, outputs = rollback.attempt(
             lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings,
                                        args, kwargs),

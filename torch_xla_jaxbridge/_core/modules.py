@@ -16,6 +16,7 @@ import torch
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import plain
+from torch_xla_jaxbridge._core.settings_key import LAYOUTS, ReadSettings, Settings
 
 # set by torch.nn.Module itself; the forward reads none of them (hooks aside, see attributes)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"training"}
@@ -43,28 +44,6 @@ ModuleState = tuple[Tensors, Tensors, tuple[bool, ...]]  # (params, buffers, tra
 def _setting_names(module: torch.nn.Module) -> tuple[str, ...]:
   """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
   return tuple(k for k, v in own_attributes(module) if type(v) in _SETTINGS)
-
-
-class Settings:
-  """A module's plain attribute values (`StateWalk.settings`) as a cache key: hashed once.
-
-  Example:
-    >>> Settings(((2, 3.0),)) == Settings(((2, 3.0),)), Settings(((2, 3.0),)) == Settings(((2,),))
-    (True, False)
-  """
-  __slots__ = ("values", "hash", "types")
-
-  def __init__(self, values: tuple) -> None:
-    self.values = values
-    self.types = tuple(tuple(map(type, v)) if v is not None else None for v in values)
-    self.hash = hash(values)
-
-  def __eq__(self, other: object) -> bool:
-    return self is other or (isinstance(other, Settings) and self.hash == other.hash and
-                             self.values == other.values and self.types == other.types)
-
-  def __hash__(self) -> int:
-    return self.hash
 
 
 class BridgedForward(functools.partial):
@@ -171,13 +150,16 @@ class _Same:
     return self.hash
 
 
-def structure_key(module: torch.nn.Module, same_objects: bool = True) -> tuple | None:
+def structure_key(module: torch.nn.Module, same_objects: bool = True,
+                  settings_by_value: bool = True) -> tuple | None:
   """A hashable description of everything but the tensor values a module's forward depends on.
   Modules with equal keys share one trace: the same classes, tensor shapes and dtypes, and
   attributes equal by value (`plain.key(..., contents=True)`: numbers, strings, containers,
   configuration objects by their contents) or, for anything else (a function, an object with
   behaviour), the very same object. Without `same_objects`, a module holding such an attribute
-  has no key (None): a key that is kept forever must not keep objects alive.
+  has no key (None): a key that is kept forever must not keep objects alive. Without
+  `settings_by_value`, plain values (numbers, strings: `StateWalk.settings`) count by their type
+  only: the calls compare those a trace read (`ReadSettings`).
 
   Example:
     >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
@@ -189,6 +171,9 @@ def structure_key(module: torch.nn.Module, same_objects: bool = True) -> tuple |
     for name_, value in own_attributes(sub):
       if isinstance(value, torch.Tensor):  # a plain tensor attribute: an input, as a buffer
         attrs.append((name_, (torch.Tensor, tuple(value.shape), value.dtype)))
+        continue
+      if not settings_by_value and type(value) in _SETTINGS:
+        attrs.append((name_, type(value).__name__))
         continue
       try:
         attrs.append((name_, plain.key(value, contents=True)))
@@ -235,18 +220,22 @@ class StateWalk:
                     for prefix, sub in named]
     # the submodules holding plain values, and a reader of them (with `training`, always there,
     # so that it reads a tuple): `settings()`
+    with_settings = [(prefix, sub, names) for prefix, sub in named
+                     if (names := _setting_names(sub))]
     self.setting_readers = [(weakref.ref(sub), operator.itemgetter(*names, "training"))
-                            for _, sub in named if (names := _setting_names(sub))]
+                            for _, sub, names in with_settings]
+    layout = tuple((prefix, names) for prefix, _, names in with_settings)
+    self.layout = LAYOUTS.setdefault(layout, layout)
     self.last_settings = Settings(())  # replaced at the first `settings()`
     self.last_values: list | None = None
 
-  def settings(self) -> Settings:
+  def settings(self, reads: ReadSettings | None = None) -> Settings:
     """The plain values (numbers, strings) the module's submodules hold as attributes now: what
     a trace read as constants, so a call whose settings differ traces again (`self.scale = 3.0`
     after a call with 2.0). Unchanged values give the same object (its hash kept), so a call
     costs one read per submodule. Attributes set after the walk are not in it (`state()` walks
     again when parameters, buffers or submodules change), nor a change of type alone (`1` to
-    `1.0`).
+    `1.0`). With `reads`, only the values read count (`ReadSettings`).
 
     Example:
       >>> layer = torch.nn.Linear(2, 3)
@@ -261,9 +250,9 @@ class StateWalk:
         values.append(read(vars(sub)) if sub is not None else None)
       except KeyError:  # an attribute deleted
         values.append(None)
-    if values != self.last_values:
+    if values != self.last_values or reads is not self.last_settings.reads:
       self.last_values = values
-      self.last_settings = Settings(tuple(values))
+      self.last_settings = Settings(tuple(values), reads, self.layout)
     return self.last_settings
 
   def state(self) -> ModuleState:

@@ -12,13 +12,16 @@ Modes, each (mode, depth) in its own process, alternated over rounds:
 - `train_step looped`: the same with `layer_loop=2` (a loop at every depth);
 - `train_step unrolled`: the same with `layer_loop=False` (one copy of each layer in the program).
 
+With `--no-cache` the config has `use_cache=False` (as training scripts and gradient
+checkpointing set it): no `DynamicCache` is made and the layers never read their `layer_idx`.
+
 Per run: `step 1` (wall time of the first step, trace and compile included, waiting for the
 device), `warm-up` (wall time of the steps up to and including the last one that compiled:
 the time to the first steady step), the number of programs torch_xla compiled then, the steady
 step (median of the steps after warm-up) and every step's loss. Ratios are per round against
 `plain` at the same depth (mode / plain: below 1 is faster), then median [min-max].
 
-  python scripts/bench_depth.py [--layers 4 16 32] [--rounds 3] [--steps 5]
+  python scripts/bench_depth.py [--layers 4 16 32] [--rounds 3] [--steps 5] [--no-cache]
       [--json scripts/out/bench_depth.json]
 """
 import argparse
@@ -31,7 +34,7 @@ MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step l
          "train_step unrolled"]
 
 
-def child(mode: str, layers: int, steps: int) -> dict:
+def child(mode: str, layers: int, steps: int, use_cache: int) -> dict:
   import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
@@ -43,7 +46,8 @@ def child(mode: str, layers: int, steps: int) -> dict:
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
       vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+      use_cache=bool(use_cache))
   model = transformers.LlamaForCausalLM(config).to("xla")
   ids = torch.randint(0, 1000, (4, 128)).to("xla")
   if mode.startswith("by class"):
@@ -92,11 +96,12 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--modes", nargs="+", default=MODES)
+  parser.add_argument("--no-cache", action="store_true", help="the config's use_cache=False")
   parser.add_argument("--json", default="scripts/out/bench_depth.json")
   args = parser.parse_args()
   cases = [(layers, mode) for layers in args.layers for mode in args.modes]
   results = harness.rounds(cases, args.rounds, lambda layers, mode: harness.run_child(
-      __file__, [mode, layers, args.steps]))
+      __file__, [mode, layers, args.steps, int(not args.no_cache)]))
   rows = []
   for layers, mode in cases:
     runs, plain = results[(layers, mode)], results[(layers, "plain")]

@@ -124,20 +124,87 @@ def test_a_failed_try_leaves_no_container_write_and_no_rebinding():
   assert model.table is not table and model.table == table
 
 
-def test_a_successful_trace_keeps_what_it_did_once():
-  """A region that bridges keeps its one trace's host effects (as the first call of plain code
-  would leave them); cached calls run no Python."""
-  @jb.bridge
-  def f(x):
-    return x * (np.random.rand() + 1.0 > 0.0)  # one draw per trace
+class RandomFlip(torch.nn.Module):
+  """Flips its input on a host coin: Python's `random` or NumPy's global stream."""
 
+  def __init__(self, draw):
+    super().__init__()
+    self.lin = torch.nn.Linear(4, 4)
+    self.draw = draw
+
+  def forward(self, x):
+    if self.training and self.draw() < 0.5:
+      x = x.flip(-1)
+    return self.lin(x)
+
+
+DRAWS = {"random": (lambda: random.random(), "Python random numbers (random)"),
+         "numpy": (lambda: np.random.rand(), "NumPy random numbers (numpy.random)")}
+
+
+def _flips(adopt, draw, calls=6):
+  """`(values, streams, reasons)`: `calls` calls of a seeded `RandomFlip` adopted by
+  `adopt(model)`, what Python's and NumPy's streams draw next, and the reasons of the regions
+  that fell back."""
+  before = jb.bridge_report()
+  torch.manual_seed(0)
+  random.seed(0)
   np.random.seed(0)
-  f(torch.ones(2, device="xla"))
-  f(torch.ones(2, device="xla"))
-  after = np.random.rand()
-  np.random.seed(0)
-  np.random.rand()  # the one draw of the one trace
-  assert after == np.random.rand()
+  call = adopt(RandomFlip(draw).to("xla"))
+  x = torch.arange(8.).reshape(2, 4).to("xla")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+    values = [call(x).sum().item() for _ in range(calls)]
+  reasons = [r.reason for r in jb.bridge_report(since=before).fallbacks()]
+  return values, (random.random(), np.random.rand()), reasons
+
+
+def _flip_step(model):
+  step = jb.train_step(lambda x: model(x).sum(), jb.optim.SGD(model.parameters(), lr=0.0))
+  return lambda x: step(x)
+
+
+def _flip_class(model):
+  jb.bridge_modules(model, [RandomFlip])
+  return model
+
+
+@pytest.mark.parametrize("stream", DRAWS)
+@pytest.mark.parametrize("adopt", [jb.BridgeModule, _flip_class, _function, _flip_step],
+                         ids=["BridgeModule", "bridge_modules", "bridge", "train_step"])
+def test_host_random_draws_fall_back_and_draw_at_every_call_as_plain_code(adopt, stream):
+  """A trace that draws from Python's or NumPy's global stream would replay its numbers: the
+  region falls back, so each call draws, as plain torch_xla's does, and says what was drawn."""
+  draw, what = DRAWS[stream]
+  values, streams, reasons = _flips(adopt, draw)
+  plain_values, plain_streams, _ = _flips(lambda m: m, draw)
+  assert len(set(plain_values)) == 2  # both branches taken in 6 calls
+  assert values == pytest.approx(plain_values, rel=1e-6)
+  assert streams == plain_streams
+  assert reasons and all(r.startswith("HostRandomnessError: ") and f"draws {what} on the host: "
+                         "each call would need its own trace" in r for r in reasons)
+
+
+def test_host_random_draws_raise_in_strict_mode():
+  model = RandomFlip(random.random).to("xla")
+  with pytest.raises(jb.errors.HostRandomnessError, match=r"RandomFlip draws Python random "
+                     r"numbers \(random\) on the host: each call would need its own trace"):
+    jb.BridgeModule(model, fallback=False)(torch.ones(2, 4, device="xla"))
+
+
+def test_a_forward_that_does_not_draw_keeps_one_trace():
+  """The check reads the streams around traces only: a forward that does not draw (the coin
+  is not reached in eval mode) bridges, traced once, and draws nothing."""
+  jb.clear_cache()
+  model = jb.BridgeModule(RandomFlip(random.random).to("xla").eval())
+  x = torch.ones(2, 4, device="xla")
+  state = random.getstate()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jb.errors.FallbackWarning)
+    values = [model(x).sum().item() for _ in range(4)]
+  assert random.getstate() == state and len(set(values)) == 1
+  info = jb.cache_info()
+  assert (info.misses, info.hits) == (1, 3)
 
 
 def _wav2vec2():

@@ -33,6 +33,11 @@ class DataDependentError(BridgeError):
   """Bridged torch code used a tensor's value in Python (`if x.sum() > 0`, `.item()`, ...)."""
 
 
+class HostRandomnessError(BridgeError):
+  """Bridged torch code drew numbers from a host random stream (Python's `random`, NumPy's global
+  generator): a trace draws them once, so each call would need its own trace."""
+
+
 class CapturedTensorError(BridgeError):
   """Bridged torch code used a tensor that is not one of its arguments."""
 

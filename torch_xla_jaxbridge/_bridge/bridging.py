@@ -141,7 +141,7 @@ class Bridged(Generic[_F]):
       fn = stateful.functionalized(fn)
     self.traces += 1
     try:
-      with rollback.tracing():
+      with rollback.tracing(self.name):
         outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
                                                           fn_name=self.name)
     except errors.CapturedTensorError as e:  # completed with where the search for captures stopped

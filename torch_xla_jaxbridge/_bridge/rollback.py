@@ -9,6 +9,10 @@ cells its code names, and the contents of the lists, dicts and sets found there 
 A fallback restores it before the plain run; a trace run again within one call (a second trace
 with a fresh random key) starts from it too. What the code does through anything else (files,
 printing, logging, objects reached deeper) is not recorded: docs/bridge.md says so.
+
+A trace that succeeds but drew from Python's or NumPy's global random stream cannot be replayed
+(each call would draw new numbers): `tracing` raises `HostRandomnessError`, and the region falls
+back as for any failed trace.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
 
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import code_names, reach
 
 _OPEN: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar("bridge_attempt",
@@ -94,9 +99,11 @@ class Attempt:
   Example:
     >>> import random
     >>> with Attempt(lambda: ((), ())) as attempt:
-    ...   with tracing():
-    ...     first = random.random()
-    ...   attempt.roll_back()
+    ...   try:
+    ...     with tracing():
+    ...       first = random.random()
+    ...   except errors.HostRandomnessError:  # a trace that draws cannot be replayed
+    ...     attempt.roll_back()
     >>> random.random() == first
     True
   """
@@ -148,7 +155,23 @@ def attempt(run: Callable[[], object], region: Callable[[], tuple],
 
 class tracing:  # noqa: N801  (a context manager, used as a function)
   """Around a trace of torch code: the first trace of the open `Attempt` records the host state,
-  each later one starts from it. Traces inside traces are covered by the outermost."""
+  each later one starts from it. Traces inside traces are covered by the outermost. A trace that
+  draws from Python's or NumPy's global random stream (its state differs after the trace) raises
+  `HostRandomnessError`: a cached trace would replay its numbers at every call, where plain code
+  draws new ones (`name`: the traced function's, for the message).
+
+  Example:
+    >>> import random
+    >>> try:
+    ...   with tracing("coin"):
+    ...     _ = random.random()
+    ... except errors.HostRandomnessError as e:
+    ...   print(str(e)[:41])
+    coin draws Python random numbers (random)
+  """
+
+  def __init__(self, name: str = "bridged code") -> None:
+    self.name = name
 
   def __enter__(self) -> tracing:
     self.attempt = attempt = _OPEN.get()
@@ -159,11 +182,19 @@ class tracing:  # noqa: N801  (a context manager, used as a function)
         else:
           attempt.snapshot.restore()
       attempt.depth += 1
+    self.streams = _host_streams()
     return self
 
-  def __exit__(self, *exc: object) -> Literal[False]:
+  def __exit__(self, kind: type | None, *exc: object) -> Literal[False]:
     if self.attempt is not None:
       self.attempt.depth -= 1
+    drawn = _drawn(self.streams, _host_streams()) if kind is None else []
+    if drawn:
+      raise errors.HostRandomnessError(
+          f"{self.name} draws {' and '.join(drawn)} on the host: each call would need its own "
+          f"trace (a cached trace would replay the same numbers). Draw them with torch inside "
+          f"bridged code (torch.rand, torch.randint, torch.bernoulli: fresh at every call), or "
+          f"pass them in as a tensor argument.")
     return False
 
 
@@ -252,6 +283,22 @@ def _set_generator_state(value: Any, state: Any) -> None:
     value.bit_generator.state = state
   else:
     value.set_state(state)
+
+
+def _host_streams() -> tuple:
+  """The states of Python's and NumPy's global random streams (what a trace must not draw from)."""
+  import numpy
+
+  return random.getstate(), numpy.random.get_state()
+
+
+def _drawn(before: tuple, after: tuple) -> list[str]:
+  """What was drawn between two `_host_streams()`: a phrase per stream whose state changed."""
+  (python, numpy_before), (python_after, numpy_after) = before, after
+  numpy_same = (numpy_before[0] == numpy_after[0] and (numpy_before[1] == numpy_after[1]).all()
+                and numpy_before[2:] == numpy_after[2:])
+  return ((["Python random numbers (random)"] if python != python_after else [])
+          + ([] if numpy_same else ["NumPy random numbers (numpy.random)"]))
 
 
 def _random_streams() -> tuple:

@@ -82,8 +82,8 @@ def test_integer_inputs_get_no_gradient():
   torch.testing.assert_close(table.grad, expected)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow),
-                                     "jaxbridge"])  # inductor: a C++ build, 60-115 s (make slow)
+@pytest.mark.parametrize("backend", [  # inductor: a C++ build, 60-115 s (make slow)
+    "eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow), "jaxbridge"])
 def test_fullgraph_compile_matches_eager(backend):
   torch._dynamo.reset()
   x, w = leaves((4, 3), (3, 5))

@@ -64,8 +64,8 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
   """The bridged forward of `module`, shared with every structurally identical module (same
   classes, shapes and attribute values; plain numbers and strings by type: a call compares those
   its traces read, so Hugging Face layers differing in an unread `layer_idx` share one trace)
-  bridged under the same remat policy, and kept while a caller holds it; its function is a `SharedForward`, so call it as `bridged.fn.run_for(module,
-  bridged, ...)`. With `hooks` the module's hooks run inside the bridged code (`BridgeModule`,
+  bridged under the same remat policy, and kept while a caller holds it; its function is a
+  `SharedForward`, so call it as `bridged.fn.run_for(module, bridged, ...)`. With `hooks` the module's hooks run inside the bridged code (`BridgeModule`,
   whose own hooks run outside); without, its class forward runs directly (a module whose
   `forward` is the bridge's: its hooks run around the bridged call).
 

@@ -303,11 +303,9 @@ def _drawn(before: tuple, after: tuple) -> list[str]:
 
 def _random_streams() -> tuple:
   """The global random streams: Python's, NumPy's, torch's CPU generator and the XLA device's."""
-  import numpy
   import torch_xla.core.xla_model as xm
 
-  return (random.getstate(), numpy.random.get_state(), torch.get_rng_state(),
-          xm.get_rng_state())
+  return (*_host_streams(), torch.get_rng_state(), xm.get_rng_state())
 
 
 def _set_random_streams(streams: tuple) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
+from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced, off_xla, one_tensor
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import modules
 
@@ -125,6 +125,10 @@ class ModuleBridge:
       torch.Size([1, 2])
     """
     module = self._module()
+    if off_xla((args, kwargs), one_tensor(self.state)):  # on the CPU: its own forward, plain
+      if self.settings.hooks:  # (a BridgeModule's: with the module's hooks)
+        return module(*args, **kwargs)
+      return type(module).forward(module, *args, **kwargs)
     if not self.outcome.fell_back:
       bridged = self._bridged(module, checkpointed)
       params, buffers, training = self.state.state()
@@ -273,7 +277,8 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
   (classes, or class names such as `"LlamaDecoderLayer"`), in place: each one's forward becomes
   one graph node (structurally identical ones share one trace), while `model` stays the same
   module (its parameters, `state_dict()`, hooks). A module that cannot be bridged runs as plain
-  LazyTensor code with its own submodules bridged (`fallback=False`: raise instead). Returns the
+  LazyTensor code with its own submodules bridged (`fallback=False`: raise instead); on the CPU
+  (`model.to("cpu")`), its own forward runs, and back on XLA it is bridged again. Returns the
   paths of the modules bridged. Like torchprime's `model.pure_modules`. With the optimizer
   from `jb.optim` (same arguments as torch's), its step is one node too: most of the gain left
   to `jb.train_step` (docs/performance.md, "Time to first step against depth").

@@ -270,7 +270,7 @@ def captured_bridged(fn: Any, settings: Settings) -> bridged_while:
                         if _has_parameters(module) and "forward" not in vars(module)])
 
 
-def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
+def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type] | str | type, *,
                    remat: remat_policies.RematArg = None, fallback: bool = True,
                    ) -> list[str]:
   """Bridges every submodule of `model` (itself included) whose class is one of `classes`
@@ -281,7 +281,8 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
   (`model.to("cpu")`), its own forward runs, and back on XLA it is bridged again. Returns the
   paths of the modules bridged. Like torchprime's `model.pure_modules`. With the optimizer
   from `jb.optim` (same arguments as torch's), its step is one node too: most of the gain left
-  to `jb.train_step` (docs/performance.md, "Time to first step against depth").
+  to `jb.train_step` (docs/performance.md, "Time to first step against depth"). One class or
+  class name alone is as if in a list.
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
@@ -289,7 +290,14 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
     >>> jb.bridge_modules(net.to("xla"), ["Linear"])
     ['0', '2']
   """
-  wanted = [c for c in classes]
+  if not isinstance(model, torch.nn.Module):
+    raise errors.BadArgumentError(
+        f"bridge_modules: model is a {type(model).__name__}; it takes a torch.nn.Module, whose "
+        f"submodules of the given classes it bridges in place, e.g. `jb.bridge_modules(model, "
+        f"['LlamaDecoderLayer'])`. For a function, use `jb.bridge(fn)`.")
+  if isinstance(classes, (str, type)) or not isinstance(classes, Iterable):
+    classes = [classes]  # one class or name alone: as if in a list (anything else: named below)
+  wanted = list(classes)
   bad = [c for c in wanted if not isinstance(c, (str, type))]
   if bad:
     raise errors.BadArgumentError(

@@ -4,6 +4,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
+
+from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import auto, fallback as fallbacks, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
@@ -36,6 +39,37 @@ class Fallback:
       return self.bridged.fn(*args, **kwargs)
 
 
+def described(value: object) -> str:
+  """`value` as an error message names it: its type, and its shape or (short) value.
+
+  Example:
+    >>> described(3), described(torch.zeros(2, 3))
+    ('an int (3)', 'a Tensor of shape (2, 3)')
+  """
+  kind = type(value).__name__
+  article = "an" if kind[:1].lower() in "aeiou" else "a"
+  if isinstance(value, torch.Tensor):
+    return f"{article} {kind} of shape {tuple(value.shape)}"
+  shown = repr(value)
+  return f"{article} {kind} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+
+
+def check_function(fn: object, where: str, takes: str) -> None:
+  """Raises `BadArgumentError` where `fn` is not callable, when the call that takes it is made
+  (not at its first use): `where` is the entry point, `takes` what it takes, with an example.
+
+  Example:
+    >>> check_function(abs, "bridge", "a function")  # fine
+    >>> check_function(3, "bridge", "a function")
+    Traceback (most recent call last):
+    ...
+    torch_xla_jaxbridge.errors.BadArgumentError: bridge: its first argument is an int (3), not a function; it takes a function
+  """
+  if not callable(fn):
+    raise errors.BadArgumentError(
+        f"{where}: its first argument is {described(fn)}, not a function; it takes {takes}")
+
+
 def with_fallback(bridged: Bridged, enabled: bool) -> Bridged:
   """`bridged`, falling back to plain LazyTensor code where it cannot be bridged (`enabled`), or
   raising the error there.
@@ -46,6 +80,12 @@ def with_fallback(bridged: Bridged, enabled: bool) -> Bridged:
   """
   bridged.fallback = Fallback(bridged, enabled)
   return bridged
+
+
+_BRIDGE_TAKES = (
+    "the torch function to bridge: `@jb.bridge` above its `def`, or `jb.bridge(fn)`, with options "
+    "as keywords (`@jb.bridge(remat='full')`, `jb.bridge(fn, remat='full')`; for a module, "
+    "`jb.BridgeModule(module)`).")
 
 
 def bridge(fn: Callable | None = None, *, remat: remat_policies.RematArg = None,
@@ -83,6 +123,7 @@ def bridge(fn: Callable | None = None, *, remat: remat_policies.RematArg = None,
   """
   if fn is None:
     return functools.partial(bridge, remat=remat, name=name, fallback=fallback)
+  check_function(fn, "bridge", _BRIDGE_TAKES)
   return with_fallback(Bridged(fn, remat=remat, name=name), fallback)
 
 
@@ -109,6 +150,8 @@ def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False, use_cache:
     >>> len(traces)
     3
   """
+  check_function(fn, "assume_pure", "the torch function to run as one pure call: "
+                 "`jb.assume_pure(fn)` (for a module, `jb.PureModule(module)`).")
   if not use_cache:
     @functools.wraps(fn)
     def traced_every_call(*args: Any, **kwargs: Any) -> Any:

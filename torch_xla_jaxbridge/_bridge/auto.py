@@ -18,7 +18,7 @@ import torch
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced
+from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced, off_xla, one_tensor
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import attribute_reads, hooks, modules, settings_key
 
@@ -133,6 +133,10 @@ class ModuleBridge:
       torch.Size([1, 2])
     """
     module = self._module()
+    if off_xla((args, kwargs), one_tensor(self.state)):  # on the CPU: its own forward, plain
+      if self.settings.hooks:  # (a BridgeModule's: with the module's hooks)
+        return module(*args, **kwargs)
+      return type(module).forward(module, *args, **kwargs)
     if not self.outcome.fell_back:
       params, buffers, training = self.state.state()
       hooked = hooks.hooked(self.state, self.settings.name, itself=self.settings.hooks)
@@ -293,17 +297,19 @@ def captured_bridged(fn: Any, settings: Settings) -> bridged_while:
                         if _has_parameters(module) and "forward" not in vars(module)])
 
 
-def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
+def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type] | str | type, *,
                    remat: remat_policies.RematArg = None, fallback: bool = True,
                    ) -> list[str]:
   """Bridges every submodule of `model` (itself included) whose class is one of `classes`
   (classes, or class names such as `"LlamaDecoderLayer"`), in place: each one's forward becomes
   one graph node (structurally identical ones share one trace), while `model` stays the same
   module (its parameters, `state_dict()`, hooks). A module that cannot be bridged runs as plain
-  LazyTensor code with its own submodules bridged (`fallback=False`: raise instead). Returns the
+  LazyTensor code with its own submodules bridged (`fallback=False`: raise instead); on the CPU
+  (`model.to("cpu")`), its own forward runs, and back on XLA it is bridged again. Returns the
   paths of the modules bridged. Like torchprime's `model.pure_modules`. With the optimizer
   from `jb.optim` (same arguments as torch's), its step is one node too: most of the gain left
-  to `jb.train_step` (docs/performance.md, "Time to first step against depth").
+  to `jb.train_step` (docs/performance.md, "Time to first step against depth"). One class or
+  class name alone is as if in a list.
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb
@@ -311,7 +317,14 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type], *,
     >>> jb.bridge_modules(net.to("xla"), ["Linear"])
     ['0', '2']
   """
-  wanted = [c for c in classes]
+  if not isinstance(model, torch.nn.Module):
+    raise errors.BadArgumentError(
+        f"bridge_modules: model is a {type(model).__name__}; it takes a torch.nn.Module, whose "
+        f"submodules of the given classes it bridges in place, e.g. `jb.bridge_modules(model, "
+        f"['LlamaDecoderLayer'])`. For a function, use `jb.bridge(fn)`.")
+  if isinstance(classes, (str, type)) or not isinstance(classes, Iterable):
+    classes = [classes]  # one class or name alone: as if in a list (anything else: named below)
+  wanted = list(classes)
   bad = [c for c in wanted if not isinstance(c, (str, type))]
   if bad:
     raise errors.BadArgumentError(

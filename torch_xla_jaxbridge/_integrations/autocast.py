@@ -3,15 +3,18 @@
 torch's autocast works in the dispatcher on XLA tensors; traced code runs on torchax tensors,
 which it never sees. So the bridge applies torch_xla's policy itself: every op torchax converts
 goes through `_dispatch`, which, while torch's `"xla"` autocast is on, casts the floating-point
-tensor arguments of the ops in `XLA_POLICY` (matmul-like ops to the autocast dtype, softmax,
-losses and linear algebra to float32, `cat`/`stack` to the widest input dtype) and runs the op
-with autocast off for the ops it calls, as torch's autocast kernels do. The state is read from
-torch at each op, so `with torch.autocast(...)` written inside the bridged function works too.
+tensor arguments (torchax's views of them too) of the ops in `XLA_POLICY` (matmul-like ops to the
+autocast dtype, softmax, losses and linear algebra to float32, `cat`/`stack` to the widest input
+dtype) and runs the op with autocast off for the ops it calls, as torch's autocast kernels do.
+The state is read from torch at each op, so `with torch.autocast(...)` written inside the
+bridged function works too.
 The state at each bridged call is a trace key (`tracing.register_trace_key`): entering or leaving
 autocast re-traces once. `torch.autocast("cpu")` does not touch XLA tensors, so it does not
-touch bridged code either.
+touch bridged code either. Ops outside these lists (layer and group norm, GELU, SiLU) run in their
+inputs' dtype under torch_xla's autocast too; their precision is `low_precision`'s.
 """
 import dataclasses
+import sys
 import threading
 
 import torch
@@ -101,6 +104,9 @@ _DECOMPOSED = {"aten::_log_softmax": "aten::log_softmax.int",
                "aten::nll_loss2d_forward": "aten::nll_loss2d"}
 # torch functions named differently from their aten op
 _FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss"}
+# overloads their torch function never reaches (torch.einsum, which torchax converts whole, parses
+# its sublist form into an equation in Python)
+_UNREACHED = frozenset(["einsum.sublist"])
 
 
 @threads.once
@@ -108,7 +114,8 @@ def _function_policies():
   """Policies by torch function name: an aten op all of whose (non-`out`) overloads share one."""
   found = {}
   for name in {key.removeprefix("aten::").split(".")[0] for key in XLA_POLICY}:
-    overloads = [o for o in getattr(torch.ops.aten, name).overloads() if not o.endswith("out")]
+    overloads = [o for o in getattr(torch.ops.aten, name).overloads()
+                 if not o.endswith("out") and f"{name}.{o}" not in _UNREACHED]
     policies = {XLA_POLICY.get(f"aten::{name}" + ("" if o == "default" else f".{o}"))
                 for o in overloads}
     if len(policies) == 1 and None not in policies:
@@ -116,15 +123,21 @@ def _function_policies():
   return found
 
 
+def _traced(value):
+  """A torchax tensor, or torchax's view of one (`x[0]`, `x.chunk(2)`: its `View` class)."""
+  view = getattr(sys.modules.get("torchax.tensor"), "View", None)
+  return tracing.is_traced(value) or view is not None and isinstance(value, view)
+
+
 def _eligible(value):
-  return (tracing.is_traced(value) and value.is_floating_point()
-          and value.dtype != torch.float64)
+  return _traced(value) and value.is_floating_point() and value.dtype != torch.float64
 
 
 def _cast(value, dtype):
   if not _eligible(value) or value.dtype == dtype:
     return value
-  return type(value)(value.jax().astype(dtypes.to_jax(dtype)), tracing.environment())
+  array = (value if tracing.is_traced(value) else value.torch()).jax()
+  return tracing.to_torchax(array.astype(dtypes.to_jax(dtype)))
 
 
 def _apply(policy, args, kwargs, low):
@@ -137,7 +150,7 @@ def _apply(policy, args, kwargs, low):
   else:  # PROMOTE: the widest floating dtype among the arguments, starting from the low one
     target = low
     for leaf in jax.tree.leaves((args, kwargs), is_leaf=is_tensor):
-      if tracing.is_traced(leaf) and leaf.is_floating_point():
+      if _traced(leaf) and leaf.is_floating_point():
         target = torch.promote_types(target, leaf.dtype)
   return jax.tree.map(lambda x: _cast(x, target), (args, kwargs), is_leaf=is_tensor)
 

@@ -58,7 +58,10 @@ def _backward(eps, residuals, cotangents):
 
 
 @threads.once
-def _training_fn():
+def normalize_fn():
+  """Training-mode normalisation over every axis but 1 with the closed-form backward,
+  `normalize(x, weight, bias, eps) -> (out, mean, var)`: `out` in `x`'s dtype, the statistics in
+  `weight`'s (layer and group norm use it too: `low_precision`)."""
   jax = runtime.jax_module()
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -90,7 +93,7 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
   w = jnp.ones(channels, compute) if weight is None else weight.jax().astype(compute)
   b = jnp.zeros(channels, compute) if bias is None else bias.jax().astype(compute)
   if training:
-    out, mean, var = _training_fn()(x, w, b, float(eps))
+    out, mean, var = normalize_fn()(x, w, b, float(eps))
     rstd = jax.lax.rsqrt(var + eps)
     if running_mean is not None:
       count = x.size // channels

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torch_xla_jaxbridge import errors, optim
-from torch_xla_jaxbridge._bridge import auto, bridging, captures, rollback, spec
+from torch_xla_jaxbridge._bridge import api, auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._core import call, layer_loops, recompute, runtime, sharding
@@ -182,6 +182,12 @@ def _captured(args: tuple) -> str:
                    if kind != "value") or "no module or tensor"
 
 
+_TAKES = (
+    "the loss function, torch code that computes the loss and that each step calls with the "
+    "step's arguments, not a loss already computed: `step = jb.train_step(lambda x, y: "
+    "F.mse_loss(model(x), y), optimizer)`, then `loss = step(x, y)` each step.")
+
+
 def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimizer, *,
                remat: remat_policies.RematArg = None, fallback: bool = True,
                layer_loop: bool | int = True) -> TrainStep:
@@ -219,6 +225,7 @@ def train_step(loss_fn: Callable[..., torch.Tensor], optimizer: optim.RuleOptimi
     >>> losses[-1].item() < losses[0].item()
     True
   """
+  api.check_function(loss_fn, "train_step", _TAKES)
   if not isinstance(layer_loop, int) or layer_loop < 0:
     raise errors.BadArgumentError(
         f"train_step: layer_loop={layer_loop!r}; give True (loop runs of {LOOP_FROM} or more "

@@ -449,6 +449,29 @@ def test_torchax_tensors_report_their_device_through_a_property():
     assert tensor.device == torch_xla.device() and tensor[:1].device.type == "xla"
 
 
+def test_torchax_tensors_answer_requires_grad_through_a_property():
+  """Marked tensors (and views) read True here and False in torch's own code (its autograd
+  recorded nothing on them); torch's flag, their own, stays False; setting False unmarks."""
+  import torchax.tensor
+  import torchax.view
+  from torch.nn.modules.activation import _arg_requires_grad  # torch's own read of the flag
+
+  from torch_xla_jaxbridge._core import grad_reads
+
+  tracing.environment()
+  for cls in (torchax.tensor.Tensor, torchax.view.View):
+    assert isinstance(cls.__dict__["requires_grad"], property)
+  flag = torch._C.TensorBase.__dict__["requires_grad"]
+  with tracing.torch_code():
+    tensor = tracing.to_torchax(jax.numpy.ones(2))
+    assert not tensor.requires_grad
+    grad_reads.mark(tensor)
+    assert tensor.requires_grad and not _arg_requires_grad(tensor)
+    assert not flag.__get__(tensor) and tensor.grad_fn is None
+    tensor.requires_grad = False
+    assert not tensor.requires_grad and not grad_reads.marked(tensor)
+
+
 def test_torch_tracer_active_under_fake_functional_and_functorch_modes():
   from torch._subclasses.fake_tensor import FakeTensorMode
   from torch._subclasses.functional_tensor import FunctionalTensorMode

@@ -143,8 +143,8 @@ class Bridged(Generic[_F]):
     self.traces += 1
     try:
       with rollback.tracing(self.name):
-        outputs, mutated, drew_random = tracing.run_torch(fn, key_data, args, kwargs,
-                                                          fn_name=self.name)
+        outputs, mutated, drew_random = tracing.run_torch(
+            fn, key_data, args, kwargs, fn_name=self.name, grad=spec.autograd(diff, other))
     except errors.CapturedTensorError as e:  # completed with where the search for captures stopped
       more = captures.hint(self.fn) if self.lift else ""
       if not more:

@@ -14,7 +14,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import call, recompute, runtime, tracing
+from torch_xla_jaxbridge._core import call, grad_reads, recompute, runtime, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def run_inline(bridged: Bridged, args: tuple, kwargs: dict,
     tensors[i].copy_(value)
   if found["drew"] and key is None:
     env.get_and_rotate_prng_key()  # later draws of the enclosing code differ from these
-  return tracing.to_torchax(outputs)
+  return grad_reads.like(tracing.to_torchax(outputs), tensors)
 
 
 def _key_from_seed(jax: types.ModuleType, seed: int | torch.Tensor) -> jax_types.Array:

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._core import runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, runtime, tracing
 
 MINIMAL_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
 
@@ -36,7 +36,7 @@ def checkpoint_name(tensor: Any, name: str) -> Any:
     runtime.jax_module()
     from jax.ad_checkpoint import checkpoint_name as jax_checkpoint_name
 
-    return tracing.to_torchax(jax_checkpoint_name(tensor.jax(), name))
+    return grad_reads.like(tracing.to_torchax(jax_checkpoint_name(tensor.jax(), name)), tensor)
   return tensor
 
 

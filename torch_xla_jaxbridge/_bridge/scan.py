@@ -17,7 +17,8 @@ from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._bridge import layer_check
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
-from torch_xla_jaxbridge._core import attribute_reads, call, modules, runtime, sharding, tracing
+from torch_xla_jaxbridge._core import (attribute_reads, call, grad_reads, modules, runtime,
+                                       sharding, tracing)
 
 # The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
 # no layer), and kept as long as the first layer of one of them lives: each first layer holds its
@@ -361,7 +362,7 @@ def _scan(template: torch.nn.Module, policy: Callable | None, count: int, params
   body = _residuals_read_whole(jax.checkpoint(body, policy=policy))
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)
-  return wrap(final)
+  return grad_reads.like(wrap(final), (carry, params))
 
 
 def _layer_arguments(template: torch.nn.Module, carry: Any, shared_args: tuple,

@@ -18,7 +18,7 @@ from torch_xla_jaxbridge._bridge import captures
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, runtime, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 # fn -> {remat: Bridged}, the Bridged holds fn weakly
@@ -130,7 +130,7 @@ class _Scan:
     keys = jax.random.split(env.get_and_rotate_prng_key(), length) if drew[0] else None
     body = jax.checkpoint(lambda c, xk: step(c, *xk), policy=self.policy)
     final, ys = jax.lax.scan(body, carry0, (xs0, keys), length=length)
-    return wrap((final, ys))
+    return grad_reads.like(wrap((final, ys)), (init, xs, lifted))
 
 
 def _check_untouched(jax: types.ModuleType, wrapped: PyTree, arrays: PyTree, what: str) -> None:

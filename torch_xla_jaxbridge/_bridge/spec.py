@@ -10,12 +10,12 @@ and `Residuals` are what a trace learns about its outputs and its backward; they
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
 from torch_xla_jaxbridge._bridge import captures, stateful
-from torch_xla_jaxbridge._core import call, plain, runtime, threads, tracing
+from torch_xla_jaxbridge._core import call, grad_reads, plain, runtime, threads, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 if TYPE_CHECKING:
@@ -94,13 +94,17 @@ class Spec:
   """
 
   def __init__(self, treedef: PyTreeDef, leaves: tuple, keys: Hashable,
-               objects: str = "") -> None:
+               objects: str = "", requiring: tuple[int, ...] = ()) -> None:
     self.treedef = treedef
     self.leaves = leaves  # DIFF / OTHER markers at tensor positions, static values elsewhere
     self.objects = objects  # the argument objects passed as their state, for re-trace reasons
-    self.context = tracing.trace_keys()  # e.g. the autocast state at this call
+    # the grad mode at this call, which the trace runs in (code may branch on it)
+    self.grad_enabled = torch.is_grad_enabled()
+    # e.g. the autocast state at this call
+    self.context = (*tracing.trace_keys(), ("grad mode", "on" if self.grad_enabled else "off"))
+    self.requiring = requiring  # positions in `other` of tensors that require grad all the same
     self.keyed = keys is not None  # False: an unhashable static, until `stateful.box` takes it
-    self._key = (treedef, keys, self.context)
+    self._key = (treedef, keys, requiring, self.context)
     self.has_objects = False  # set by `split`: an argument object may hold tensors
 
   @classmethod
@@ -126,6 +130,7 @@ class Spec:
         markers.append(DIFF if needs else OTHER)
       else:
         markers.append(leaf)
+    requiring = tuple(i for i, t in enumerate(other) if t.requires_grad)
     statics = [m for m in markers if m is not DIFF and m is not OTHER]
     objects = any(type(m) not in _ATOMS and stateful.may_hold_state(m) for m in statics)
     try:  # the common statics (flags, sizes, None) keyed by type and value without plain.key
@@ -135,7 +140,7 @@ class Spec:
       if not objects:  # an object may yet be passed as its state (`stateful.box`)
         call.static_keys(markers, tree, caller)  # raises, naming the leaf
       keys = None
-    spec = cls(treedef, tuple(markers), keys)
+    spec = cls(treedef, tuple(markers), keys, requiring=requiring)
     spec.has_objects = objects
     return spec, diff, other
 
@@ -151,9 +156,15 @@ class Spec:
 
   # a re-trace reason when only the context changed
   def describe_change(self, old: object) -> str | None:
-    if isinstance(old, Spec) and old._key[:2] == self._key[:2]:
+    if isinstance(old, Spec) and old._key[:3] == self._key[:3]:
       return tracing.describe_key_change(old.context, self.context)
     return None
+
+  def autograd(self, diff: Sequence[Any], other: Sequence[Any]) -> grad_reads.Caller:
+    """What the trace of a call with `diff` and `other` (arrays) reads of autograd: the call's
+    grad mode, and `requires_grad` True for the arrays standing for tensors that require it."""
+    requiring = [*diff, *(other[i] for i in self.requiring)]
+    return grad_reads.Caller(self.grad_enabled, frozenset(map(id, requiring)))
 
   def merge(self, diff: Iterable[Any], other: Iterable[Any]) -> PyTree:
     """The arguments' pytree with `diff` and `other` put back at their positions (a tensor that

@@ -58,6 +58,54 @@ def report_device(env_type: type, device: Any) -> None:
     cls.device = ours
 
 
+def report_requires_grad(env_type: type, attribute: str) -> None:
+  """Makes torchax tensors (and views) of environments of `env_type` answer `requires_grad` as
+  `getattr(tensor, attribute, False)` or torch's own flag, except to torch's and torchax's own
+  code, which gets torch's flag; setting it sets that attribute (and torch's flag, when set to
+  False). Model code then reads True where plain torch would, while torch's autograd machinery
+  sees what it has recorded for these tensors: nothing (torchax converts ops above torch's
+  autograd). Told True, torch would run `torch.cond` through its autograd Function (which then
+  leaks traced values), register tensor hooks that never run, and, with its C++ flag set on a
+  wrapper, record the ops torchax leaves to torch's dispatcher (and fail on views). Replaces a
+  property torchax's classes inherit from torch's, once. Public alternative: none.
+
+  Example:
+    >>> import jax, torchax.tensor
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> t = torchax.tensor.Tensor(jax.numpy.zeros(2), tracing.environment())
+    >>> t.requires_grad = True; t.requires_grad
+    True
+  """
+  import sys
+
+  import torch
+  import torchax.tensor
+  import torchax.view
+
+  flag = torch._C.TensorBase.__dict__["requires_grad"]  # torch's getter and setter
+  for cls in (torchax.tensor.Tensor, torchax.view.View):
+    if getattr(getattr(cls.__dict__.get("requires_grad"), "fget", None), "bridge_requires_grad",
+               False):
+      continue
+
+    def read(self: Any) -> bool:
+      if isinstance(self._env, env_type) and self.__dict__.get(attribute, False):
+        caller = sys._getframe(1).f_globals.get("__name__", "").partition(".")[0]
+        if caller not in ("torch", "torchax"):
+          return True
+      return flag.__get__(self)
+
+    def write(self: Any, value: bool) -> None:
+      if isinstance(self._env, env_type):
+        self.__dict__[attribute] = bool(value)
+        if value:
+          return
+      flag.__set__(self, value)
+
+    setattr(read, "bridge_requires_grad", True)
+    setattr(cls, "requires_grad", property(read, write))
+
+
 def set_array(tensor: Any, array: Any) -> None:
   """Replaces the JAX array inside a torchax tensor (in-place updates: batch norm statistics,
   `xs.mark_sharding`). Reading is public (`tensor.jax()`); writing is not.

@@ -12,7 +12,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
-from torch_xla_jaxbridge._core import dtypes, lowering, plain, runtime, threads, tracing
+from torch_xla_jaxbridge._core import dtypes, grad_reads, lowering, plain, runtime, threads, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 _TENSOR = object()  # marks a tensor leaf among the static leaves of a signature
@@ -127,7 +127,7 @@ def _inline(jax_func: Callable, leaves: list, treedef: Any, tree: PyTree,
     values.append(leaf.jax() if tracing.is_traced(leaf) else
                   dtypes.to_jax(leaf) if isinstance(leaf, torch.dtype) else leaf)
   args, kwargs = treedef.unflatten(values)
-  return tracing.to_torchax(jax_func(*args, **(kwargs or {})))
+  return grad_reads.like(tracing.to_torchax(jax_func(*args, **(kwargs or {}))), leaves)
 
 
 def _cache_anchor(fn: Any) -> tuple[object, object, Hashable]:

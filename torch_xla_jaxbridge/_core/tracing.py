@@ -26,7 +26,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import diagnostics, rng, runtime, threads, torch_dtypes
+from torch_xla_jaxbridge._core import diagnostics, grad_reads, rng, runtime, threads, torch_dtypes
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ def environment() -> torchax.tensor.Environment:
 
   env_type = torchax_private.environment_class(_plain_tensor_used)
   torchax_private.report_device(env_type, torch_xla.device())
+  torchax_private.report_requires_grad(env_type, grad_reads.MARK)
   # its default key must be a constant even mid-trace; making it starts JAX's backend
   with jax.ensure_compile_time_eval(), runtime.process_state_kept():
     env = env_type(torchax.config.Configuration(allow_mixed_math_with_scalar_tensor=False))
@@ -144,6 +145,7 @@ def environment() -> torchax.tensor.Environment:
   torchax_private.wrap_dispatch(env, torch_dtypes.dispatcher(env))  # innermost: torchax's results
   for wrapper in _DISPATCH_WRAPPERS:
     torchax_private.wrap_dispatch(env, wrapper)
+  torchax_private.wrap_dispatch(env, grad_reads.dispatcher)  # outermost: every op's results
   return env
 
 
@@ -214,6 +216,7 @@ def traced_arrays(tree: PyTree) -> tuple[list[torchax.tensor.Tensor], Rebuild]:
   def rebuild(arrays: Sequence[jax_types.Array]) -> tuple[PyTree, list[torchax.tensor.Tensor]]:
     full, new = list(leaves), to_torchax(list(arrays))
     for position, tensor in zip(positions, new):
+      grad_reads.mark(tensor, grad_reads.marked(leaves[position]))
       full[position] = tensor
     return treedef.unflatten(full), new
 
@@ -306,13 +309,15 @@ def _entered(jax: types.ModuleType, env: torchax.tensor.Environment) -> Iterator
 
 
 def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwargs: PyTree, *,
-              fn_name: str) -> tuple[PyTree, dict[int, jax_types.Array], bool]:
+              fn_name: str, grad: grad_reads.Caller | None = None,
+              ) -> tuple[PyTree, dict[int, jax_types.Array], bool]:
   """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
 
   Returns `(outputs, mutated, drew_random)`: outputs with JAX arrays for tensors; a dict from the
   position of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code
   updated in place to its new value; whether the code drew random numbers. `key_data` (int32[2])
-  seeds every random op.
+  seeds every random op. `grad`: the grad mode the code runs in and the arrays whose tensors
+  answer `requires_grad` True (`grad_reads`); None: as it is now, and none.
 
   Example:
     >>> jax = runtime.jax_module()
@@ -337,6 +342,8 @@ def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwar
       if prng is not None:
         stack.enter_context(env.override_property(prng=prng))
       stack.enter_context(_entered(jax, env))
+      if grad is not None:
+        stack.enter_context(grad_reads.entered(grad, tensors))
       outputs = fn(*t_args, **(t_kwargs or {}))
       drew_random = prng is not None and torchax_private.current_key(env) is not prng  # key was split
   except errors.BridgeError:

@@ -15,7 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import patching, runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, patching, runtime, tracing
 
 
 class Context:
@@ -139,7 +139,8 @@ def custom_gradient(name: str, forward: Callable, backward: Callable, args: tupl
 
   def run_forward(arrays):
     ctx = Context(needs_grad)
-    with tracing.torch_code():  # JAX traces it again outside the bridged call under remat
+    # JAX traces it again outside the bridged call under remat; grad mode off, as torch runs it
+    with tracing.torch_code(), torch.no_grad():
       outputs, static["outputs"] = _split(forward(ctx, *_join(arrays, input_layout)))
     return ctx, outputs
 
@@ -165,7 +166,7 @@ def custom_gradient(name: str, forward: Callable, backward: Callable, args: tupl
     return _input_grads(name, result, grad_index, primals)
 
   primal.defvjp(primal_fwd, primal_bwd)
-  return _join(primal(*inputs), static["outputs"])
+  return grad_reads.like(_join(primal(*inputs), static["outputs"]), args)  # torch's rule
 
 
 _RULES: dict = {}  # "module.Class" -> what its `apply` does inside a trace

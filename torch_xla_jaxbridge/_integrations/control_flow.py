@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private, torchax_private
-from torch_xla_jaxbridge._core import runtime, threads, tracing
+from torch_xla_jaxbridge._core import grad_reads, runtime, threads, tracing
 
 
 @threads.once
@@ -58,7 +58,7 @@ def _cond(mode, pred, true_fn, false_fn, operands):
   predicate = jax.numpy.reshape(predicate, ()).astype(bool)
   out = jax.lax.cond(predicate, _traced(true_fn, mode), _traced(false_fn, mode),
                      *tracing.to_jax(tuple(operands)))
-  return tracing.to_torchax(out)
+  return grad_reads.like(tracing.to_torchax(out), operands)
 
 
 def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
@@ -73,7 +73,8 @@ def _while_loop(mode, cond_fn, body_fn, carried_inputs, additional_inputs):
     return tuple(step(*carry, *extra))
 
   carried = tuple(tracing.to_jax(tuple(carried_inputs)))
-  return tracing.to_torchax(jax.lax.while_loop(keep_going, advance, carried))
+  return grad_reads.like(tracing.to_torchax(jax.lax.while_loop(keep_going, advance, carried)),
+                         (carried_inputs, additional_inputs))
 
 
 def fori_loop(lower: int, upper: int, body: Callable, init: Any) -> Any:
@@ -101,4 +102,4 @@ def fori_loop(lower: int, upper: int, body: Callable, init: Any) -> Any:
     return value
   jax = runtime.jax_module()
   looped = jax.lax.fori_loop(lower, upper, _traced(body), tracing.to_jax(init))
-  return tracing.to_torchax(looped)
+  return grad_reads.like(tracing.to_torchax(looped), init)

@@ -9,7 +9,7 @@ own checkpoint. torch_xla's `torch_xla.utils.checkpoint.checkpoint` (and FSDP's
 autograd Function.
 """
 from torch_xla_jaxbridge._compat import torch_private, torchax_private
-from torch_xla_jaxbridge._core import patching, recompute, runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, patching, recompute, runtime, tracing
 from torch_xla_jaxbridge._integrations import autograd_function
 
 
@@ -52,7 +52,7 @@ def _recomputed(function, args, kwargs):
     out = jax.checkpoint(recomputed)(*arrays)
   if drew and drew[-1]:
     env.get_and_rotate_prng_key()  # later draws of the enclosing code differ from these
-  return tracing.to_torchax(out)
+  return grad_reads.like(tracing.to_torchax(out), tensors)
 
 
 def _torch_xla_checkpoint(run_function, preserve_rng_state, *args):

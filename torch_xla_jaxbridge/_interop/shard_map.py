@@ -12,7 +12,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, runtime, tracing
 from torch_xla_jaxbridge._core.sharding import check_mesh
 
 
@@ -101,7 +101,7 @@ def shard_map(fn: Callable, in_specs: Any, out_specs: Any, mesh: Any = None, *,
       return outputs
     assert rotate is not None  # made with the torch body
     rotate()
-    return tracing.to_torchax(outputs)
+    return grad_reads.like(tracing.to_torchax(outputs), args)
 
   return mapped
 

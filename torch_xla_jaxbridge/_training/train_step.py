@@ -75,8 +75,9 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     spec.register_static_pytree()
     bridged, optimizer = self.bridged, self.optimizer
     trained = self._trained()
-    prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
-                            lambda t: id(t) in trained and t.requires_grad, refuse_hooks=True)
+    with torch.enable_grad():  # the loss is traced with grad on, as `_plain_step` runs it
+      prepared = spec.prepare(bridged.fn, self.name, args, kwargs,
+                              lambda t: id(t) in trained and t.requires_grad, refuse_hooks=True)
     if prepared.boxed:
       raise errors.UsageError(
           f"train_step: {self.name} takes an argument object holding tensors; pass its tensors "

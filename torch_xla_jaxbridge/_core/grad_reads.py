@@ -1,0 +1,132 @@
+"""What torch code reads of autograd while it is traced: torch's grad mode and `requires_grad`.
+
+A bridged call's forward is traced inside its `torch.autograd.Function` (and `jb.train_step`'s
+inside the optimizer's step), both with grad mode off, on torchax tensors made with
+`requires_grad=False`: code that branches on either (a train-only term, a path chosen by
+`requires_grad`) would take its no-grad path where plain torch takes the other. So a trace runs
+in the grad mode of the call it stands for (`Caller`); the tensors standing for the caller's
+tensors that require grad answer `requires_grad` True, and so do the floating-point results of
+an op on one of them while grad mode is on (`dispatcher`), as torch's autograd would record
+them; the outputs of a region traced as a function of arrays (a remat, a conditional, a
+checkpoint) answer as its inputs do (`like`). Only the answer is torch's: its autograd records
+nothing (the gradients are JAX's). A tensor answers from an attribute (`MARK`), to all code but
+torch's and torchax's own, which read torch's flag (`torchax_private.report_requires_grad`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+from torch_xla_jaxbridge._compat import torch_private
+
+MARK = "bridge_requires_grad"  # the attribute a traced tensor answers `requires_grad` from
+# ops whose results never require grad in torch, whatever their inputs
+_NOT_DIFFERENTIABLE = frozenset(
+    ["detach", "detach_", "requires_grad_", "zeros_like", "ones_like", "empty_like", "full_like",
+     "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full",
+     "new_tensor"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+  """The autograd state of the call a trace stands for: torch's grad mode at the call, and the
+  ids of the arrays that stand for the caller's tensors that require grad.
+
+  Example:
+    >>> Caller(True, frozenset()).grad_enabled
+    True
+  """
+  grad_enabled: bool
+  requiring: frozenset[int] = frozenset()
+
+
+def mark(tensor: torch.Tensor, requires_grad: bool = True) -> None:
+  """Makes a traced tensor answer `requires_grad` with `requires_grad` (or torch's own flag).
+
+  Example:
+    >>> t = torch.ones(2)
+    >>> mark(t); marked(t)
+    True
+  """
+  tensor.__dict__[MARK] = requires_grad
+
+
+def marked(value: object) -> bool:
+  """Whether `value` is a tensor marked as requiring grad.
+
+  Example:
+    >>> marked(torch.ones(2)), marked(3)
+    (False, False)
+  """
+  return isinstance(value, torch.Tensor) and bool(value.__dict__.get(MARK, False))
+
+
+@contextlib.contextmanager
+def entered(caller: Caller, tensors: dict[int, torch.Tensor]) -> Iterator[None]:
+  """Inside the block torch's grad mode is the caller's, and the tensors of `tensors` (array id
+  -> the traced tensor made for it) that stand for tensors requiring grad are marked.
+
+  Example:
+    >>> with torch.no_grad(), entered(Caller(True), {}):
+    ...   torch.is_grad_enabled()
+    True
+  """
+  for array_id in caller.requiring:
+    if array_id in tensors:
+      mark(tensors[array_id])
+  with torch.set_grad_enabled(caller.grad_enabled):
+    yield
+
+
+def like(outputs: Any, inputs: Any) -> Any:
+  """`outputs` (a pytree), with its floating-point tensors marked as requiring grad when grad
+  mode is on and one of the tensors of `inputs` is: a region's results as torch's autograd would
+  give them (an autograd Function, a conditional, a checkpoint).
+
+  Example:
+    >>> x, y = torch.ones(2), torch.ones(2)
+    >>> mark(x); marked(like(y, [x]))
+    True
+  """
+  if torch.is_grad_enabled() and any(map(marked, torch_private.tree_leaves(inputs))):
+    _mark_floats(torch_private.tree_leaves(outputs))
+  return outputs
+
+
+def _mark_floats(values: Any) -> None:
+  for value in values:
+    if isinstance(value, torch.Tensor) and (value.dtype.is_floating_point
+                                            or value.dtype.is_complex):
+      mark(value)
+
+
+def _any_marked(args: Any, kwargs: dict | None) -> bool:
+  """Whether a tensor among an op's arguments (and the lists and tuples there) is marked."""
+  for value in (*args, *(kwargs or {}).values()):
+    if marked(value) or isinstance(value, (list, tuple)) and any(map(marked, value)):
+      return True
+  return False
+
+
+def dispatcher(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict | None) -> Any:
+  """A dispatch wrapper: torchax's conversion of one op, its floating-point results marked as
+  requiring grad when grad mode is on and one of its tensors is (not for an op whose results
+  never require grad in torch: `detach`, `zeros_like`, ...).
+
+  Example (the bridge's environment has it):
+    >>> import jax
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> with tracing.torch_code():
+    ...   x = tracing.to_torchax(jax.numpy.ones(2))
+    ...   mark(x)
+    ...   (x * 2).requires_grad, x.detach().requires_grad, (x > 0).requires_grad
+    (True, False, False)
+  """
+  out = dispatch(func, types, args, kwargs)
+  if (torch.is_grad_enabled() and _any_marked(args, kwargs)
+      and getattr(func, "__name__", "").split(".")[0] not in _NOT_DIFFERENTIABLE):
+    _mark_floats(out if isinstance(out, (list, tuple)) else (out,))
+  return out

@@ -69,7 +69,8 @@ def test_a_bridge_module_on_the_cpu_runs_its_hooks_once(dev):
   inner = Block()
   eager = copy.deepcopy(inner)
   calls = []
-  inner.register_forward_hook(lambda m, args, out: calls.append(out.device.type) or out * 2)
+  hook = inner.register_forward_hook(
+      lambda m, args, out: calls.append(out.device.type) or out * 2)
   eager.register_forward_hook(lambda m, args, out: out * 2)
   before = jb.bridge_report()
   layer = jb.BridgeModule(inner)  # made on the CPU, used there first
@@ -81,10 +82,15 @@ def test_a_bridge_module_on_the_cpu_runs_its_hooks_once(dev):
   rows = _rows(before)
   assert rows["Block"][0] == "bridged"
   layer.to(dev)
-  misses = jb.cache_info().misses
-  torch.testing.assert_close(layer(x.to(dev)).cpu(), eager(x))
+  with pytest.warns(jb.errors.FallbackWarning, match="hook"):  # on XLA a hooked call runs plain
+    torch.testing.assert_close(layer(x.to(dev)).cpu(), eager(x))
   assert calls == ["cpu", "xla"]
-  assert _rows(before)["Block"] == ("bridged", rows["Block"][1] + 1)  # traced on XLA
+  assert _rows(before)["Block"][0] == "fallback"  # for this call: its submodules were bridged
+  hook.remove()
+  misses = jb.cache_info().misses
+  torch.testing.assert_close(layer(x.to(dev)).cpu(), eager(x) / 2)
+  assert calls == ["cpu", "xla"]
+  assert _rows(before)["Block"] == ("bridged", rows["Block"][1] + 1)  # traced on XLA, once
   assert jb.cache_info().misses == misses + 1
 
 

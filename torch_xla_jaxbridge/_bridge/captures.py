@@ -28,7 +28,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import places, reach
 from torch_xla_jaxbridge._bridge.places import ARG, KWARG
 from torch_xla_jaxbridge._bridge.reach import SELF
-from torch_xla_jaxbridge._core import hooks, modules, runtime, threads, tracing
+from torch_xla_jaxbridge._core import host_values, hooks, modules, runtime, threads, tracing
 
 # `(where, name, kind, params, buffers, extra)`: one captured value (see `Lifted`)
 LayoutEntry = tuple[tuple, str, str, tuple[str, ...], tuple[str, ...], Any]
@@ -150,13 +150,17 @@ def collect(fn: Callable, fn_name: str, *, xla: bool = True, args: tuple = (),
   places, values, plain = reach.find_all(fn)
   if args or kwargs:
     places, values = _with_module_arguments(places, values, args, kwargs)
-  if not places and not plain:
+  function = reach.split(fn)[0]
+  host = host_values.of_callable(function) if function is not None else None
+  if not places and not plain and not (host and host.readers):
     return None
   _register_pytree()
   # the plain values the code reads, in the layout (so in the cache key): a new value retraces
   tensors: list[torch.Tensor] = []
   layout: list[LayoutEntry] = [((), name, "value", (), (), (kind, value))
                                for name, kind, value in plain]
+  if host and host.readers:  # read by the helpers it calls, its environment variables
+    layout.append(((), "host values", "value", (), (), (tuple, host.read())))
   for (where, name), value in zip(places, values):
     if isinstance(value, torch.Tensor):
       tensors.append(value)

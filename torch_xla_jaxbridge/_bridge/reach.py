@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
-from torch_xla_jaxbridge._bridge import code_names
+from torch_xla_jaxbridge._core import code_names
 
 CELL, GLOBAL, SELF, PARG, PKW = "cell", "global", "self", "partial arg", "partial keyword"  # roots
 ATTR, ITEM, BOUND = "attr", "item", "bound"  # steps: an attribute, an item, a method's `self`

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import code_names, reach
+from torch_xla_jaxbridge._bridge import reach
+from torch_xla_jaxbridge._core import code_names
 
 _OPEN: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar("bridge_attempt",
                                                                     default=None)

@@ -15,7 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import plain
+from torch_xla_jaxbridge._core import host_values, plain
 from torch_xla_jaxbridge._core.settings_key import LAYOUTS, ReadSettings, Settings
 
 # set by torch.nn.Module itself; the forward reads none of them (hooks aside, see attributes)
@@ -226,13 +226,17 @@ class StateWalk:
                             for _, sub, names in with_settings]
     layout = tuple((prefix, names) for prefix, _, names in with_settings)
     self.layout = LAYOUTS.setdefault(layout, layout)
+    # globals, class attributes and environment variables the forwards read: in `settings()`
+    self.host = host_values.of_modules(sub for _, sub in named)
     self.last_settings = Settings(())  # replaced at the first `settings()`
     self.last_values: list | None = None
+    self.last_host: tuple | None = None
 
   def settings(self, reads: ReadSettings | None = None) -> Settings:
     """The plain values (numbers, strings) the module's submodules hold as attributes now: what
     a trace read as constants, so a call whose settings differ traces again (`self.scale = 3.0`
-    after a call with 2.0). Unchanged values give the same object (its hash kept), so a call
+    after a call with 2.0), with the globals, class attributes and environment variables their
+    forwards read (`host_values`). Unchanged values give the same object (its hash kept), so a call
     costs one read per submodule. Attributes set after the walk are not in it (`state()` walks
     again when parameters, buffers or submodules change), nor a change of type alone (`1` to
     `1.0`). With `reads`, only the values read count (`ReadSettings`).
@@ -250,9 +254,11 @@ class StateWalk:
         values.append(read(vars(sub)) if sub is not None else None)
       except KeyError:  # an attribute deleted
         values.append(None)
-    if values != self.last_values or reads is not self.last_settings.reads:
-      self.last_values = values
-      self.last_settings = Settings(tuple(values), reads, self.layout)
+    host = self.host.read()
+    if (values != self.last_values or host != self.last_host
+        or reads is not self.last_settings.reads):
+      self.last_values, self.last_host = values, host
+      self.last_settings = Settings(tuple(values), reads, self.layout, host)
     return self.last_settings
 
   def state(self) -> ModuleState:

@@ -52,11 +52,12 @@ class Settings:
     >>> Settings(((2, 3.0),)) == Settings(((2, 3.0),)), Settings(((2, 3.0),)) == Settings(((2,),))
     (True, False)
   """
-  __slots__ = ("values", "hash", "types", "reads", "layout")
+  __slots__ = ("values", "hash", "types", "reads", "layout", "host")
 
   def __init__(self, values: tuple, reads: ReadSettings | None = None,
-               layout: Layout = ()) -> None:
+               layout: Layout = (), host: tuple = ()) -> None:
     self.values = values
+    self.host = host  # the plain values read from outside the module (`host_values`): all count
     self.types = tuple(tuple(map(type, v)) if v is not None else None for v in values)
     self.reads = reads
     self.layout = layout
@@ -67,7 +68,8 @@ class Settings:
   def __eq__(self, other: object) -> bool:
     if self is other:
       return True
-    if not isinstance(other, Settings) or self.reads is not other.reads:
+    if (not isinstance(other, Settings) or self.reads is not other.reads
+        or self.host != other.host):
       return False
     if self.reads is None:
       return (self.hash == other.hash and self.values == other.values and

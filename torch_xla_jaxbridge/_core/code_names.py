@@ -1,8 +1,9 @@
 """The names a callable's code reads: the globals it loads, and every name it can read an
 attribute by, through its own code, nested code, and the methods and properties of a class.
 
-The walk for captured values (`reach`) follows an object's attributes only by these names, so a
-trainer's optimizer, data loaders and logger are not searched unless the code names them.
+The walk for captured values (`_bridge.reach`) follows an object's attributes only by these
+names, so a trainer's optimizer, data loaders and logger are not searched unless the code names
+them; `host_values` finds the plain globals and class attributes a forward reads by them.
 """
 from __future__ import annotations
 

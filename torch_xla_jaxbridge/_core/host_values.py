@@ -1,0 +1,219 @@
+"""Plain values that code reads from outside its arguments and its module's attributes: the
+globals of its Python module and of the helper functions it calls, its class's attributes, and
+the environment variables it names.
+
+A trace reads them once, as constants; plain torch_xla reads them at every step. So their values
+now are part of a call's cache key (`HostValues.read`): a forward that multiplies by a global
+`SCALE`, reads `self.factor` from its class or branches on `os.environ.get("FAST")` traces again
+when the value changes, instead of running the old one. Found from the code (`code_names`):
+the globals a forward (and its methods and helpers, `DEPTH` calls deep) loads that hold a
+number, string, bool or None, the class attributes it names that do, and, for code that names
+`environ` or `getenv`, the upper-case strings it holds or loads from its globals (the keys). Code of torch, JAX, torchax and this package
+is not read. A value inside a mutable object (a dict's entry, a config object's attribute) is not
+followed.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from torch_xla_jaxbridge._core import code_names
+
+DEPTH = 4  # helper functions followed below a forward
+_ATOMS = (type(None), bool, int, float, str)
+_LIBRARIES = ("torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy", "torch_xla_jaxbridge",
+              "builtins", "functools", "typing", "abc")
+_MISSING = object()  # a global or class attribute not (or no longer) there
+
+
+class HostValues:
+  """Readers of the plain values some code reads from outside: `read()` is their values now, a
+  part of a cache key; `names` says where each is read from.
+
+  Example:
+    >>> import os
+    >>> __name__ = "model"  # code of the user's, not of this package
+    >>> found = of_functions([lambda: os.environ.get("HOME_SCALE")])
+    >>> found.names, found.read() == (os.environ.get("HOME_SCALE"),)
+    (['environment variable HOME_SCALE'], True)
+  """
+  __slots__ = ("readers", "names")
+
+  def __init__(self, readers: list[Callable[[], Any]], names: list[str]) -> None:
+    self.readers, self.names = tuple(readers), names
+
+  def read(self) -> tuple:
+    """The values now: equal tuples mean a trace's constants still hold."""
+    return tuple([reader() for reader in self.readers])
+
+
+class _Finder:
+  """Collects readers while functions and classes are walked, each place once."""
+
+  def __init__(self) -> None:
+    self.readers: dict[tuple, tuple[Callable[[], Any], str]] = {}
+    self.seen: set[int] = set()
+
+  def function(self, fn: object, depth: int = 0) -> None:
+    for function in _functions(fn):
+      code = function.__code__
+      if id(code) in self.seen or _library(function):
+        continue
+      self.seen.add(id(code))
+      namespace = function.__globals__
+      for name in code_names.global_names(code):
+        value = namespace.get(name, _MISSING)
+        if type(value) in _ATOMS:
+          self.add((id(namespace), name), functools.partial(namespace.get, name, _MISSING),
+                   f"global {function.__module__}.{name}")
+        elif depth < DEPTH and isinstance(value, (types.FunctionType, functools.partial)):
+          self.function(value, depth + 1)
+      if {"environ", "getenv"} & code_names.code_names(code):  # keys: constants, or globals
+        keys = _upper_case_strings(code) | {
+            value for name in code_names.global_names(code)
+            if _env_name(value := namespace.get(name))}
+        for key in sorted(keys):
+          self.add(("environ", key), functools.partial(os.environ.get, key),
+                   f"environment variable {key}")
+
+  def module_class(self, cls: type, instance_names: Iterable[str]) -> None:
+    """The forward of `cls` and the methods its code names, with the plain class attributes
+    they name (not those the instance holds itself: its settings)."""
+    if _library(cls) or id(cls) in self.seen:
+      return
+    self.seen.add(id(cls))
+    methods = code_names.method_names(cls)
+    own = set(instance_names)
+    todo, named = ["forward"], set()
+    while todo:
+      name = todo.pop()
+      if name in named or name not in methods:
+        continue
+      named.add(name)
+      self.function(_attribute(cls, name))
+      todo.extend(methods[name])
+      for attribute in methods[name] - own:
+        value = _attribute(cls, attribute)
+        if type(value) in _ATOMS and not hasattr(torch.nn.Module, attribute):
+          self.add((id(cls), attribute), functools.partial(getattr, cls, attribute, _MISSING),
+                   f"class attribute {cls.__name__}.{attribute}")
+
+  def add(self, place: tuple, reader: Callable[[], Any], name: str) -> None:
+    self.readers.setdefault(place, (reader, name))
+
+  def found(self) -> HostValues:
+    readers = list(self.readers.values())
+    return HostValues([r for r, _ in readers], [n for _, n in readers])
+
+
+def of_functions(functions: Iterable[object]) -> HostValues:
+  """The plain values `functions` (and the helpers they call) read from outside.
+
+  Example:
+    >>> __name__ = "model"  # code of the user's, not of this package
+    >>> of_functions([lambda x: x * DEPTH]).names
+    ['global model.DEPTH']
+  """
+  finder = _Finder()
+  for fn in functions:
+    finder.function(fn)
+  return finder.found()
+
+
+_OF_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def of_modules(modules: Iterable[torch.nn.Module]) -> HostValues:
+  """The plain values the forwards of `modules` read from outside the modules' own attributes.
+
+  Example:
+    >>> __name__ = "model"  # code of the user's, not of this package
+    >>> class Scaled(torch.nn.Linear):
+    ...   factor = 2.0
+    ...   def forward(self, x):
+    ...     return super().forward(x) * self.factor
+    >>> of_modules([Scaled(2, 2)]).names
+    ['class attribute Scaled.factor']
+  """
+  finder = _Finder()
+  for module in modules:
+    finder.module_class(type(module), vars(module))
+  return finder.found()
+
+
+def of_callable(fn: object) -> HostValues:
+  """`of_functions([fn])`, kept per function object (weakly).
+
+  Example:
+    >>> of_callable(print).names
+    []
+  """
+  if not isinstance(fn, types.FunctionType):
+    return of_functions([fn])
+  found = _OF_FUNCTIONS.get(fn)
+  if found is None:
+    found = _OF_FUNCTIONS[fn] = of_functions([fn])
+  return found
+
+
+def _functions(fn: object) -> list[types.FunctionType]:
+  """The Python functions behind a callable: what `functools.wraps` wrapped, a partial's
+  function, a method's function, and functions in a wrapper's closure."""
+  found: list[types.FunctionType] = []
+  todo = [fn]
+  while todo and len(found) < 16:
+    value = todo.pop()
+    if isinstance(value, (staticmethod, classmethod, types.MethodType)):
+      value = value.__func__
+    if isinstance(value, functools.partial):
+      todo.append(value.func)
+    elif isinstance(value, property):
+      todo.append(value.fget)
+    elif isinstance(value, types.FunctionType) and value not in found:
+      found.append(value)
+      todo.append(getattr(value, "__wrapped__", None))
+      todo.extend(cell.cell_contents for cell in value.__closure__ or ()
+                  if isinstance(_cell(cell), types.FunctionType))
+  return found
+
+
+def _cell(cell: types.CellType) -> object:
+  try:
+    return cell.cell_contents
+  except ValueError:  # an empty cell
+    return None
+
+
+def _attribute(cls: type, name: str) -> object:
+  """`name` as the class holds it (unbound), or `_MISSING`."""
+  for klass in cls.__mro__:
+    if name in vars(klass):
+      return vars(klass)[name]
+  return _MISSING
+
+
+def _library(value: object) -> bool:
+  module = getattr(value, "__module__", None) or ""
+  return module.partition(".")[0] in _LIBRARIES
+
+
+def _upper_case_strings(code: types.CodeType) -> set[str]:
+  """The string constants of `code` and its nested code that look like environment variable
+  names (`FAST_PATH`)."""
+  found = set()
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      found |= _upper_case_strings(const)
+    elif _env_name(const):
+      found.add(const)
+  return found
+
+
+def _env_name(value: object) -> bool:
+  """Whether `value` looks like an environment variable's name (`FAST_PATH`)."""
+  return isinstance(value, str) and value.isidentifier() and value.isupper()

@@ -143,3 +143,42 @@ def test_allclose_gives_a_python_bool_as_torch_does(dev):
   torch.testing.assert_close(same.cpu(), X * 2)
   torch.testing.assert_close(bridged(X.to(dev), (X + 1).to(dev)).cpu(), X - (X + 1))
   assert jb.bridge(lambda a: torch.allclose(a, a))(X.to(dev)) is True
+
+
+PRODUCTS = {  # a matrix product of two float dtypes, as a float32 module given bfloat16 input
+    "linear": lambda x, w, b: F.linear(x, w, b),
+    "linear_no_bias": lambda x, w, b: F.linear(x, w),
+    "matmul": lambda x, w, b: x @ w.t(),
+    "batched_matmul": lambda x, w, b: x[None].expand(3, -1, -1) @ w.t(),
+    "einsum": lambda x, w, b: torch.einsum("ij,kj->ik", x, w),
+    "addmm": lambda x, w, b: torch.addmm(b, x, w.t()),
+    "weight_first": lambda x, w, b: w @ x.t(),
+}
+
+
+@pytest.mark.parametrize("name", PRODUCTS)
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
+def test_a_product_of_two_float_dtypes_has_plain_torch_xlas_dtype_and_value(name, input_dtype,
+                                                                           dev):
+  """Eager torch refuses these; plain torch_xla gives the first matrix operand's dtype."""
+  torch.manual_seed(0)
+  x = torch.randn(5, 16).to(input_dtype).requires_grad_()
+  w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+  fn = PRODUCTS[name]
+  leaves = [t.detach().to(dev).requires_grad_() for t in (x, w, b)]
+  plain = fn(*leaves)
+  (plain.float().square().sum()).backward()
+  plain_grads = [t.grad.cpu() if t.grad is not None else None for t in leaves]
+  leaves = [t.detach().to(dev).requires_grad_() for t in (x, w, b)]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    bridged = jb.bridge(fn, fallback=False)(*leaves)
+  assert bridged.dtype == plain.dtype
+  torch.testing.assert_close(bridged.cpu(), plain.cpu())
+  (bridged.float().square().sum()).backward()
+  for got, expected in zip(leaves, plain_grads):
+    if expected is None:  # not used (a product without the bias)
+      assert got.grad is None or not got.grad.any()
+    else:
+      assert got.grad.dtype == expected.dtype
+      torch.testing.assert_close(got.grad.cpu(), expected, rtol=2e-2, atol=2e-2)

@@ -30,6 +30,11 @@ _FACTORIES = frozenset([torch.arange, torch.empty, torch.eye, torch.full, torch.
                         torch.logspace, torch.ones, torch.rand, torch.randint, torch.randn,
                         torch.tensor, torch.zeros])
 
+# matrix products that torch_xla computes on operands of two float dtypes (eager refuses): its
+# result has the dtype of the first matrix operand (`aten.addmm`'s is its second argument)
+_MATRIX_OPERAND = {"mm": 0, "bmm": 0, "mv": 0, "dot": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1,
+                   "addmv": 1}
+
 
 def dispatcher(env: Environment) -> Callable[..., Any]:
   """A dispatch wrapper for `env` (`torchax_private.wrap_dispatch`): torchax's conversion of each
@@ -44,6 +49,8 @@ def dispatcher(env: Environment) -> Callable[..., Any]:
   def dispatch_with_torch_dtypes(dispatch: Callable, func: Any, types: Any, args: Sequence,
                                  kwargs: dict | None) -> Any:
     out = dispatch(func, types, args, kwargs)
+    if (mixed := _mixed_product_dtype(func, args)) is not None:
+      return _cast(env, out, [mixed], exactly=True)
     if not (torch_private.is_op(func) or func in _FACTORIES):
       return out
     key = (func, _signature(args), _signature(kwargs))
@@ -56,6 +63,29 @@ def dispatcher(env: Environment) -> Callable[..., Any]:
     return out if expected is None else _cast(env, out, expected)
 
   return dispatch_with_torch_dtypes
+
+
+def _mixed_product_dtype(func: Any, args: Sequence) -> torch.dtype | None:
+  """The dtype torch_xla gives a matrix product of two float dtypes (`x_bf16 @ w_f32`: bfloat16,
+  the first matrix operand's), or None where the operands agree or `func` is no such product.
+
+  Example:
+    >>> a, b = torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(2, 2)
+    >>> _mixed_product_dtype(torch.ops.aten.mm.default, (a, b))
+    torch.bfloat16
+  """
+  if func is torch.nn.functional.linear or func is torch.einsum:
+    operands = [a for a in runtime.jax_module().tree.leaves(tuple(args[:2] if func is
+                torch.nn.functional.linear else args[1:])) if isinstance(a, torch.Tensor)]
+  else:
+    position = _MATRIX_OPERAND.get(getattr(func, "__name__", "").partition(".")[0])
+    if position is None or not torch_private.is_op(func):
+      return None
+    operands = [a for a in args[position:position + 2] if isinstance(a, torch.Tensor)]
+  dtypes_ = {t.dtype for t in operands}
+  if len(dtypes_) < 2 or not all(d.is_floating_point for d in dtypes_):
+    return None
+  return operands[0].dtype
 
 
 def _signature(value: object) -> object:
@@ -105,19 +135,22 @@ def _differs_from_torch(got: torch.dtype, expected: torch.dtype) -> bool:
   return not (expected.is_floating_point or expected.is_complex) or got in wide or expected in wide
 
 
-def _cast(env: Environment, out: PyTree, expected: list) -> PyTree:
+def _cast(env: Environment, out: PyTree, expected: list, exactly: bool = False) -> PyTree:
+  """`out`'s tensors in the `expected` dtypes, where they differ from torch's in kind (`exactly`:
+  wherever they differ)."""
   jax = runtime.jax_module()
   is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
   leaves, treedef = jax.tree.flatten(out, is_leaf=is_tensor)
   if len(leaves) != len(expected):
     return out
-  cast = [_to(env, leaf, dtype) if dtype is not None and is_tensor(leaf) else leaf
+  cast = [_to(env, leaf, dtype, exactly) if dtype is not None and is_tensor(leaf) else leaf
           for leaf, dtype in zip(leaves, expected)]
   return treedef.unflatten(cast)
 
 
-def _to(env: Environment, tensor: Any, dtype: torch.dtype) -> Any:
-  if not hasattr(tensor, "jax") or not _differs_from_torch(tensor.dtype, dtype):
+def _to(env: Environment, tensor: Any, dtype: torch.dtype, exactly: bool = False) -> Any:
+  if not hasattr(tensor, "jax") or not (
+      tensor.dtype != dtype if exactly else _differs_from_torch(tensor.dtype, dtype)):
     return tensor  # a view keeps its base's dtype
   jax = runtime.jax_module()
   target = jax.dtypes.canonicalize_dtype(dtypes.to_jax(dtype))

@@ -137,3 +137,36 @@ def test_what_is_found_and_what_is_not():
       return x * self.factor
 
   assert host_values.of_modules([Instance()]).names == []
+
+
+class Config:
+  def __init__(self):
+    self.scale, self.unused = 1.0, 0
+
+
+class Configured(torch.nn.Module):
+  def __init__(self, config):
+    super().__init__()
+    self.config, self.lin = config, torch.nn.Linear(4, 4)
+
+  def forward(self, x):
+    return self.lin(x) * self.config.scale
+
+
+def test_a_changed_attribute_of_a_held_config_traces_again(dev):
+  torch.manual_seed(0)
+  eager = Configured(Config())
+  model = copy.deepcopy(eager).to(dev)
+  jb.bridge_modules(model, ["Configured"])
+  x = torch.randn(2, 4)
+  jb.clear_cache()
+  torch.testing.assert_close(model(x.to(dev)).cpu(), eager(x))
+  misses = jb.cache_info().misses
+  model.config.unused = eager.config.unused = 5  # not read by the forward: no new trace
+  torch.testing.assert_close(model(x.to(dev)).cpu(), eager(x))
+  assert jb.cache_info().misses == misses
+  model.config.scale = eager.config.scale = 3.0
+  torch.testing.assert_close(model(x.to(dev)).cpu(), eager(x))
+  assert jb.cache_info().misses == 2 * misses
+  assert host_values.of_modules(model.modules()).names == [
+      "attributes Configured.config.{scale}"]

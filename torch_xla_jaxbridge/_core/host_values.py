@@ -1,20 +1,22 @@
 """Plain values that code reads from outside its arguments and its module's attributes: the
-globals of its Python module and of the helper functions it calls, its class's attributes, and
-the environment variables it names.
+globals of its Python module and of the helper functions it calls, its class's attributes, the
+settings objects its module holds, and the environment variables it names.
 
 A trace reads them once, as constants; plain torch_xla reads them at every step. So their values
 now are part of a call's cache key (`HostValues.read`): a forward that multiplies by a global
-`SCALE`, reads `self.factor` from its class or branches on `os.environ.get("FAST")` traces again
-when the value changes, instead of running the old one. Found from the code (`code_names`):
-the globals a forward (and its methods and helpers, `DEPTH` calls deep) loads that hold a
-number, string, bool or None, the class attributes it names that do, and, for code that names
-`environ` or `getenv`, the upper-case strings it holds or loads from its globals (the keys). Code of torch, JAX, torchax and this package
-is not read. A value inside a mutable object (a dict's entry, a config object's attribute) is not
-followed.
+`SCALE`, reads `self.factor` from its class, `self.config.use_cache` or branches on
+`os.environ.get("FAST")` traces again when the value changes, instead of running the old one.
+Found from the code (`code_names`): the globals a forward (and its methods and helpers, `DEPTH`
+calls deep) loads that hold a number, string, bool or None; the class attributes it names that
+do; the attributes it names of the settings objects its module holds (a config); and, for code
+that names `environ` or `getenv`, the upper-case strings it holds or loads from its globals (the
+keys). Code of torch, JAX, torchax and this package is not read, nor a value deeper inside an
+object (a dict's entry, a config's nested object).
 """
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import types
 import weakref
@@ -58,6 +60,8 @@ class _Finder:
   def __init__(self) -> None:
     self.readers: dict[tuple, tuple[Callable[[], Any], str]] = {}
     self.seen: set[int] = set()
+    self.classes: dict[type, frozenset[str]] = {}  # a module class -> the names its code reads
+    self.held: dict[int, tuple[object, str, set[str]]] = {}  # settings objects: names read
 
   def function(self, fn: object, depth: int = 0) -> None:
     for function in _functions(fn):
@@ -81,15 +85,27 @@ class _Finder:
           self.add(("environ", key), functools.partial(os.environ.get, key),
                    f"environment variable {key}")
 
-  def module_class(self, cls: type, instance_names: Iterable[str]) -> None:
-    """The forward of `cls` and the methods its code names, with the plain class attributes
-    they name (not those the instance holds itself: its settings)."""
-    if _library(cls) or id(cls) in self.seen:
+  def module(self, module: torch.nn.Module) -> None:
+    """The forward of `module`'s class and the methods its code names, with the plain class
+    attributes they name (not those the instance holds itself: its settings), and the plain
+    attributes they name of the objects the module holds (a config's `use_cache`)."""
+    cls = type(module)
+    if _library(cls):
       return
-    self.seen.add(id(cls))
+    names = self.classes.get(cls)
+    if names is None:
+      names = self.classes[cls] = self._module_class(cls, vars(module))
+    for held_name, held in vars(module).items():
+      if held_name in names and _settings_object(held):
+        read = {a for a in names & set(vars(held)) if type(vars(held)[a]) in _ATOMS}
+        if read:
+          entry = self.held.setdefault(id(held), (held, f"{cls.__name__}.{held_name}", set()))
+          entry[2].update(read)
+
+  def _module_class(self, cls: type, instance: dict) -> frozenset[str]:
+    """Walks `cls`'s forward and the methods it names; the names their code reads."""
     methods = code_names.method_names(cls)
-    own = set(instance_names)
-    todo, named = ["forward"], set()
+    todo, named, read = ["forward"], set(), set()
     while todo:
       name = todo.pop()
       if name in named or name not in methods:
@@ -97,16 +113,22 @@ class _Finder:
       named.add(name)
       self.function(_attribute(cls, name))
       todo.extend(methods[name])
-      for attribute in methods[name] - own:
+      read |= methods[name]
+      for attribute in methods[name] - set(instance):
         value = _attribute(cls, attribute)
         if type(value) in _ATOMS and not hasattr(torch.nn.Module, attribute):
           self.add((id(cls), attribute), functools.partial(getattr, cls, attribute, _MISSING),
                    f"class attribute {cls.__name__}.{attribute}")
+    return frozenset(read)
 
   def add(self, place: tuple, reader: Callable[[], Any], name: str) -> None:
     self.readers.setdefault(place, (reader, name))
 
   def found(self) -> HostValues:
+    for held, where, names in self.held.values():  # one `attrgetter` per object
+      read = sorted(names)
+      self.add((id(held), ()), _attributes_reader(held, read),
+               f"attributes {where}.{{{', '.join(read)}}}")
     readers = list(self.readers.values())
     return HostValues([r for r, _ in readers], [n for _, n in readers])
 
@@ -142,7 +164,7 @@ def of_modules(modules: Iterable[torch.nn.Module]) -> HostValues:
   """
   finder = _Finder()
   for module in modules:
-    finder.module_class(type(module), vars(module))
+    finder.module(module)
   return finder.found()
 
 
@@ -159,6 +181,32 @@ def of_callable(fn: object) -> HostValues:
   if found is None:
     found = _OF_FUNCTIONS[fn] = of_functions([fn])
   return found
+
+
+def _settings_object(value: object) -> bool:
+  """Whether `value` is an object holding settings (a Hugging Face config, a namespace): one
+  with attributes of its own that is not a module, tensor, class or function."""
+  return (hasattr(value, "__dict__") and not callable(value)
+          and not isinstance(value, (torch.nn.Module, torch.Tensor, types.ModuleType)))
+
+
+def _attributes_reader(holder: object, names: list[str]) -> Callable[[], Any]:
+  """Reads `holder`'s own attributes `names` now, from its `__dict__` (a Hugging Face config's
+  `__getattribute__` is Python code); `_MISSING` once one is gone, or `holder` (held weakly where
+  it can be)."""
+  read = operator.itemgetter(*names)
+  ref: Callable[[], object]
+  try:
+    ref = weakref.ref(holder)
+  except TypeError:
+    ref = lambda: holder  # noqa: E731
+
+  def reader() -> Any:
+    try:
+      return read(vars(ref()))
+    except (KeyError, TypeError):
+      return _MISSING
+  return reader
 
 
 def _functions(fn: object) -> list[types.FunctionType]:

@@ -146,7 +146,8 @@ def adamw_run(make, dev, steps=10, clip=None, factor=None, start=None):
     if schedule is not None:
       schedule.step()
     torch_xla.sync()
-  return [p.detach().cpu() for p in model.parameters()], [n.cpu() for n in norms]
+  return ([p.detach().cpu() for p in model.parameters()],
+          [n.cpu() if n is not None else None for n in norms])
 
 
 ADAMW_CASES = {
@@ -160,6 +161,7 @@ ADAMW_CASES = {
                                jb.optim.warmup_cosine(3, 10, min_ratio=0.1)),
     "clipping_two_groups_warmup_linear": (lambda m: two_groups(m, lr=0.02), dict(lr=0.05), 0.1,
                                           jb.optim.warmup_linear(2, 10)),
+    "norm_reported_never_clipped": (lambda m: m.parameters(), dict(lr=0.01), float("inf"), None),
 }
 
 
@@ -172,8 +174,11 @@ def test_adamw_matches_torch_adamw_with_clip_grad_norm_and_lambda_lr(dev, case):
                              factor=factor)
   for a, b in zip(ours, ref):
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-  torch.testing.assert_close(torch.stack(our_norms), torch.stack(ref_norms), rtol=1e-6, atol=0)
-  if clip is not None:  # the clipping was active
+  if clip is None:  # the norm is computed only for clipping (a reduction per parameter)
+    assert our_norms == [None] * len(ref_norms)
+  else:
+    torch.testing.assert_close(torch.stack(our_norms), torch.stack(ref_norms), rtol=1e-6, atol=0)
+  if clip not in (None, float("inf")):  # the clipping was active
     assert sum(n > clip for n in ref_norms) >= 5
 
 
@@ -396,7 +401,7 @@ def test_the_step_updates_one_flat_buffer_per_state_name_not_a_tensor_per_parame
   torch_xla.sync()
   report = jb.memory_report(lambda: step(x))
   params = list(model.parameters())
-  assert report.outputs == len(params) + 2 + 1  # parameters, the two buffers, the loss
+  assert report.outputs == len(params) + 2  # parameters, the two buffers (no norm: no clipping)
   assert report.alias_bytes == 3 * sum(p.numel() * 4 for p in params)
   state = opt.state[params[0]]
   assert list(state) == ["step", "exp_avg", "exp_avg_sq"]

@@ -51,7 +51,8 @@ class AdamW(RuleOptimizer):
 
   `max_grad_norm` (None: no clipping) clips as `torch.nn.utils.clip_grad_norm_` over all groups
   would; after each step `grad_norm` holds the gradients' 2-norm before clipping, an XLA tensor
-  computed in the step's graph. The state is torch's: per parameter `step` (a CPU float32
+  computed in the step's graph (None without clipping: `max_grad_norm=float("inf")` reports the
+  norm and never clips). The state is torch's: per parameter `step` (a CPU float32
   tensor), `exp_avg`, `exp_avg_sq`, and `max_exp_avg_sq` with amsgrad, so state dicts load into
   `torch.optim.AdamW` and back.
 

@@ -41,7 +41,8 @@ class RuleOptimizer(TorchLayout):
     defaults: the group defaults (the subclass's constructor arguments).
     max_grad_norm: clip the gradients by their global 2-norm first, as
       `torch.nn.utils.clip_grad_norm_` over all groups would (None: no clipping). `p.grad` is
-      left unscaled; `grad_norm` holds the norm before clipping after every step.
+      left unscaled; `grad_norm` holds the norm before clipping after every step (None without
+      clipping; `max_grad_norm=float("inf")` computes it and never clips).
 
   Example:
     >>> import torch, torch_xla_jaxbridge as jb

@@ -18,8 +18,9 @@ def _sum_of_squares(jnp, g):
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
                names: tuple, options: tuple, clip: bool, rows: tuple | None = None,
                layout: FlatLayout | None = None) -> tuple:
-  """New parameters, new states and the gradients' global 2-norm (before clipping) after one
-  step of `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
+  """New parameters, new states and the gradients' global 2-norm (before clipping; None without
+  `clip`: a reduction per parameter, one kernel each in the step's program) after one step of
+  `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
   with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
   With `layout`, `states` (and the new states returned) are its flat buffers.
@@ -32,14 +33,15 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     ...              lambda group, step: {"lr": group["lr"]})
     >>> new, _, norm = apply_rule([jnp.ones(2)], [jnp.full(2, 3.0)], [{}], jnp.array([0.5, 0.0]),
     ...                           rule=plain, names=("lr",), options=({},), clip=False)
-    >>> new[0].tolist(), round(float(norm) ** 2, 4)
-    ([-0.5, -0.5], 18.0)
+    >>> new[0].tolist(), norm
+    ([-0.5, -0.5], None)
   """
   jnp = runtime.jax_module().numpy
   buffers, states = states, layout.split(states) if layout is not None else states
-  norms = jnp.stack([jnp.sqrt(_sum_of_squares(jnp, g)) for g in grads])  # as clip_grad_norm_:
-  grad_norm = jnp.sqrt(jnp.sum(norms * norms))                           # the norm of the norms
+  grad_norm = None
   if clip:
+    norms = jnp.stack([jnp.sqrt(_sum_of_squares(jnp, g)) for g in grads])  # as clip_grad_norm_:
+    grad_norm = jnp.sqrt(jnp.sum(norms * norms))                           # the norm of norms
     scale = jnp.minimum(scalars[-1] / (grad_norm + 1e-6), 1.0)
     grads = [(g if jnp.iscomplexobj(g) else g.astype(jnp.float32)) * scale for g in grads]
   rows = rows if rows is not None else tuple(range(len(params)))

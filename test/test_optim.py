@@ -407,3 +407,30 @@ def test_the_step_updates_one_flat_buffer_per_state_name_not_a_tensor_per_parame
   assert list(state) == ["step", "exp_avg", "exp_avg_sq"]
   assert state["exp_avg"].shape == params[0].shape and state["exp_avg"] is state["exp_avg"]
   assert type(copy.deepcopy(state)) is dict  # pickled or copied as torch's plain dict
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, jb.optim.AdamW])
+def test_a_parameter_moved_to_another_group_takes_its_hyperparameters(dev, make):
+  """The bias moves (parameter order unchanged) into a group with lr 0: it stops changing, as
+  under eager torch.optim.AdamW."""
+  def run(cls, device):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(device)
+    opt = cls([{"params": [model.weight, model.bias], "lr": 0.1}, {"params": [], "lr": 0.0}])
+    x = torch.ones(3, 4, device=device)
+    for step in range(4):
+      if step == 2:
+        del opt.param_groups[0]["params"][1]
+        opt.param_groups[1]["params"].append(model.bias)
+        moved = model.bias.detach().cpu().clone()
+      model(x).square().sum().backward()
+      opt.step()
+      opt.zero_grad()
+      if device != "cpu":
+        torch_xla.sync()
+    return model.bias.detach().cpu() - moved, model.weight.detach().cpu()
+
+  bias_change, weight = run(make, dev)
+  eager_change, eager_weight = run(torch.optim.AdamW, "cpu")
+  assert not eager_change.any() and not bias_change.any()
+  torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6)

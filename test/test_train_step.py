@@ -295,3 +295,37 @@ def test_a_model_the_search_cannot_reach_is_named_with_the_fixes(dev):
                      r"trainer.head\(trainer.ext.model\(x\)\).*" + stopped):
     jb.train_step(lambda x, y: (trainer.head(trainer.ext.model(x)) - y).square().mean(), opt,
                   fallback=False)(x, y)
+
+
+def test_a_parameter_swapped_into_a_group_in_place_is_trained(dev):
+  """A new weight put in the model and in the same slot of the group's list (a re-init, a merged
+  adapter): the list object and its length are unchanged; it trains as under loss.backward()
+  and opt.step()."""
+  def run(one_node):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1)).to(dev)
+    opt = jb.optim.AdamW(model.parameters(), lr=0.1)
+    loss_fn = lambda x, y: (model(x) - y).square().mean()  # noqa: E731
+    step = jb.train_step(loss_fn, opt) if one_node else None
+    x, y = torch.ones(4, 4, device=dev), torch.zeros(4, 1, device=dev)
+    for i in range(4):
+      if i == 2:
+        old = model[0].weight
+        model[0].weight = new = torch.nn.Parameter(old.detach().clone())
+        group = opt.param_groups[0]["params"]
+        group[group.index(old)] = new
+        opt.state.pop(old, None)
+      if step is not None:
+        step(x, y)
+      else:
+        loss_fn(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+      torch_xla.sync()
+    return model[0].weight.detach().cpu(), opt.state[model[0].weight]["step"]
+
+  weight, steps = run(one_node=True)
+  plain_weight, plain_steps = run(one_node=False)
+  assert steps == plain_steps == 2
+  torch.testing.assert_close(weight, plain_weight, rtol=1e-5, atol=1e-6)

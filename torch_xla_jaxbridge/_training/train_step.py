@@ -110,17 +110,18 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     return loss
 
   def _trained(self) -> set[int]:
-    """The ids of the optimizer's parameters (kept while its groups stay as they are)."""
-    groups = self.optimizer.param_groups
-    key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    """The ids of the optimizer's parameters (kept while its groups hold the same parameters: a
+    parameter swapped into a group's list in place is trained from its next step)."""
+    key = self.optimizer.groups_key()
     if self._groups_key != key:
       self._groups_key = key
-      self._trained_ids = {id(p) for group in groups for p in group["params"]}
+      self._trained_ids = {i for group in key for i in group}
+      self._diff_ids = None  # `_order` reads the groups too
     return self._trained_ids
 
   def _order(self, diff: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """The optimizer's parameters among `diff` in `param_groups` order, and each one's position
-    in `diff` (kept while `diff` holds the same parameters)."""
+    in `diff` (kept while `diff` and the groups hold the same parameters)."""
     ids = tuple(map(id, diff))
     if self._diff_ids != ids:
       self.optimizer.check_params(diff, grads=False)

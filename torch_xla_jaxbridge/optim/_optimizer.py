@@ -138,6 +138,18 @@ class RuleOptimizer(TorchLayout):
     name = type(self).__name__
     return f"torch.optim.{name}" if hasattr(torch.optim, name) else "a torch optimizer"
 
+  def groups_key(self) -> tuple:
+    """The ids of each group's parameters, now: a parameter swapped into a group's list, or
+    moved to another group, gives another key.
+
+    Example:
+      >>> import torch, torch_xla_jaxbridge as jb
+      >>> p = torch.nn.Parameter(torch.zeros(2))
+      >>> jb.optim.SGD([p], lr=0.1).groups_key() == ((id(p),),)
+      True
+    """
+    return tuple(tuple(map(id, g["params"])) for g in self.param_groups)
+
   def prepare(self, params: list) -> tuple:
     """For one step of `params` (in `param_groups` order, each with a gradient): their state
     dicts of XLA tensors (zeros on a parameter's first step; without SPMD the flat buffers
@@ -146,7 +158,10 @@ class RuleOptimizer(TorchLayout):
     arguments. Changes nothing until `take` commits it (new states, step counts), so a step that
     fails in between leaves the optimizer as it was. `jb.train_step` calls it too."""
     rule = self.rule
-    signature = tuple(tuple(sorted(rule.options(g).items())) for g in self.param_groups)
+    # the groups' options, and which parameters each holds (one moved to another group takes
+    # that group's hyperparameters, as in torch)
+    signature = (tuple(tuple(sorted(rule.options(g).items())) for g in self.param_groups),
+                 self.groups_key())
     if self._plan is None or not self._plan.fits(params, signature, self.state):
       self._plan = make_plan(rule, self.param_groups, self.state, params, signature,
                              self.init_state, flat=not sharding.spmd_enabled())

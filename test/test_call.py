@@ -75,6 +75,29 @@ def test_one_ir_node_named_after_the_function(dev):
   assert "xla::proj(" in torch_xla._XLAC._get_xla_tensors_text([named])
 
 
+def _node_operands(out, name):
+  """The operand count of the node `xla::<name>` in `out`'s IR."""
+  line = next(l for l in torch_xla._XLAC._get_xla_tensors_text([out]).splitlines()
+              if f"xla::{name}(" in l)
+  return line.split(f"xla::{name}(")[1].split(")")[0].count("%")
+
+
+def test_an_input_the_function_never_reads_is_not_an_input_of_the_node(dev):
+  def first_and_third(a, b, c):
+    return a * 2 + c
+
+  a, b, c = xla(A, dev), xla(A + 1, dev), xla(A + 2, dev)
+  out = jb.call_jax(first_and_third, (a, b, c))
+  assert _node_operands(out, "first_and_third") == 2
+  np.testing.assert_allclose(out.cpu().numpy(), A * 2 + (A + 2), rtol=1e-6)
+  out = jb.call_jax(first_and_third, (a, b, c))  # the cached program: the same two inputs
+  assert _node_operands(out, "first_and_third") == 2 and jb.cache_info().hits == 1
+  np.testing.assert_allclose(out.cpu().numpy(), A * 2 + (A + 2), rtol=1e-6)
+  constant = jb.call_jax(lambda x, y: jnp.ones(2), (a, b), name="constant")  # reads none
+  assert _node_operands(constant, "constant") == 2  # a node takes one input at least: all
+  np.testing.assert_allclose(constant.cpu().numpy(), np.ones(2))
+
+
 def test_no_outputs_and_passthrough(dev):
   x = xla(A, dev)
   assert jb.call_jax(lambda a: None, (x,)) is None

@@ -49,3 +49,27 @@ def test_greedy_generation_matches_eager(name, cache):
   # prefill and decode, per layer (Mistral's sliding-window layers count tokens in a Python int)
   per_token = cache == "dynamic" or name in zoo.STATIC_CACHE_COUNTS_IN_PYTHON
   assert traces == (layers * zoo.NEW_TOKENS if per_token else layers * 2)
+
+
+def test_a_layer_given_the_whole_cache_takes_only_the_tensors_it_reads(dev):
+  """A Hugging Face cache goes into each bridged layer whole (layer i's call holds the earlier
+  layers' keys and values); its node takes the inputs its program reads: as many at every
+  depth, and the loss equals eager's."""
+  import torch_xla
+  import transformers
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager", use_cache=True)
+  eager = transformers.LlamaForCausalLM(config)
+  ids = torch.randint(0, 100, (2, 8))
+  model = transformers.LlamaForCausalLM(config).to(dev)
+  model.load_state_dict(eager.state_dict())
+  jb.bridge_modules(model, ["LlamaDecoderLayer"])
+  loss = model(input_ids=ids.to(dev), labels=ids.to(dev)).loss
+  ir = torch_xla._XLAC._get_xla_tensors_text([loss])
+  operands = [line.split("LlamaDecoderLayer_fwd(")[1].split(")")[0].count("%")
+              for line in ir.splitlines() if "LlamaDecoderLayer_fwd(" in line]
+  assert len(operands) == 6 and len(set(operands)) == 1, operands
+  torch.testing.assert_close(loss.cpu(), eager(input_ids=ids, labels=ids).loss)

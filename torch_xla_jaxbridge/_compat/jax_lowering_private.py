@@ -175,3 +175,16 @@ def identity_primitive(name: str, lower: Callable, batched_params: Callable) -> 
   batching.primitive_batchers[primitive] = batched
   mlir.register_lowering(primitive, lower)
   return primitive
+
+
+def kept_inputs(lowered: Any) -> tuple[int, ...]:
+  """The positions of the inputs a program lowered by `jax.jit(..., keep_unused=False)` reads
+  (its parameters, in order). Public alternative: none (`Lowered.args_info` lists every input).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> aval = jax.ShapeDtypeStruct((2,), jnp.float32)
+    >>> kept_inputs(jax.jit(lambda a, b, c: a + c).trace(aval, aval, aval).lower())
+    (0, 2)
+  """
+  return tuple(sorted(lowered._lowering.compile_args["kept_var_idx"]))

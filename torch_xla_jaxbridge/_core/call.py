@@ -87,6 +87,8 @@ def call_jax(jax_func: Callable, args: tuple, kwargs: dict | None = None,
     with threads.TRACING:  # one trace at a time; another thread may have made this one meanwhile
       entry = lowering.CACHE.lookup(anchor, subkey, signature) or _trace(
           jax_func, anchor, subkey, signature, (args, kwargs), tensors, statics, treedef, name)
+  if entry.kept is not None:  # the inputs the program reads
+    tensors = [tensors[i] for i in entry.kept]
   outputs = _user_computation(entry.op_name, tensors, entry.computation)
   return entry.out_tree.unflatten(outputs)
 
@@ -216,7 +218,7 @@ def _trace(jax_func: Callable, anchor: object, subkey: object, signature: tuple,
 
   enable_x64 = dtypes.needs_x64([t.dtype for t in tensors]) or getattr(_X64, "on", False)
   try:
-    computation, out_tree = lowering.lower(flat_fn, avals, op_name=f"xla::{fn_name}",
+    computation, out_tree, kept = lowering.lower(flat_fn, avals, op_name=f"xla::{fn_name}",
                                            enable_x64=enable_x64)
   except errors.BridgeError:
     raise
@@ -224,7 +226,7 @@ def _trace(jax_func: Callable, anchor: object, subkey: object, signature: tuple,
     shapes = ", ".join(f"{p}: {tuple(t.shape)} {t.dtype}" for p, t in zip(tensor_paths, tensors))
     raise errors.JaxTracingError(
         f"{fn_name} raised while being traced for ({shapes}): {type(e).__name__}: {e}") from e
-  entry = lowering.Lowered(f"xla::{fn_name}", computation, out_tree, paths)
+  entry = lowering.Lowered(f"xla::{fn_name}", computation, out_tree, paths, kept)
   lowering.CACHE.add(anchor, subkey, signature, entry, reason)
   return entry
 

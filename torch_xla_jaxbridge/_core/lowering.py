@@ -39,11 +39,16 @@ class Lowered:
   computation: Any  # torch_xla XlaComputation
   out_tree: jax.tree_util.PyTreeDef  # of the outputs
   leaf_paths: tuple  # readable path of each input leaf, for re-trace reasons
+  kept: tuple[int, ...] | None = None  # the inputs the program reads (None: all of them)
 
 
 def lower(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any], *, op_name: str,
-          enable_x64: bool, platform: str | None = None) -> tuple[Any, Any]:
-  """Traces `flat_fn(*avals)` and lowers it to a torch_xla computation.
+          enable_x64: bool, platform: str | None = None) -> tuple[Any, Any, tuple | None]:
+  """Traces `flat_fn(*avals)` and lowers it to a torch_xla computation: `(computation, out_tree,
+  kept)`, `kept` the positions of the inputs the program reads (None: all of them). An input it
+  never reads is not a parameter of the computation, so a call passes only the kept ones: a
+  node's inputs cost host time each (a Hugging Face cache passed whole to each layer gives layer
+  i the earlier layers' keys and values, which it does not read).
 
   `flat_fn` takes the tensor leaves and returns `(out_leaves, out_tree)` as a JAX function would;
   `out_tree` is captured during tracing.
@@ -51,8 +56,10 @@ def lower(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any], *, op_
   Example:
     >>> jax = runtime.jax_module()
     >>> avals = [jax.ShapeDtypeStruct((2,), jax.numpy.float32)]
-    >>> comp, tree = lower(lambda x: jax.tree.flatten(x * 2), avals, op_name="xla::double",
-    ...                    enable_x64=False)
+    >>> comp, tree, kept = lower(lambda x, y: jax.tree.flatten(x * 2), avals * 2,
+    ...                          op_name="xla::double", enable_x64=False)
+    >>> kept
+    (0,)
   """
   jax = runtime.jax_module()
   out_tree = []
@@ -66,14 +73,25 @@ def lower(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any], *, op_
   if enable_x64 and needs_32_bit_mode(traced, avals):
     enable_x64 = False
     traced = _trace(jax, leaves_only, avals, op_name, enable_x64)
+  platform = platform or runtime.lowering_platform()
+  lowered = _lower(jax, traced, enable_x64, platform)
+  kept: tuple[int, ...] | None = jax_lowering_private.kept_inputs(lowered)
+  if avals and not kept:  # reads none of its inputs: a node takes one at least, so all of them
+    lowered = _lower(jax, _trace(jax, leaves_only, avals, op_name, enable_x64, keep_unused=True),
+                     enable_x64, platform)
+  if kept == tuple(range(len(avals))) or not kept:
+    kept = None
   with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
-    platform = platform or runtime.lowering_platform()
-    with runtime_forms(platform):
-      lowered = traced.lower(lowering_platforms=(platform,))
     proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
   refuse_foreign_custom_calls(proto, op_name)
   computation = torch_xla_private.computation_from_proto(op_name, without_module_id(proto))
-  return computation, out_tree[-1]
+  return computation, out_tree[-1], kept
+
+
+def _lower(jax: types.ModuleType, traced: Any, enable_x64: bool, platform: str) -> Any:
+  with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
+    with runtime_forms(platform):
+      return traced.lower(lowering_platforms=(platform,))
 
 
 @contextlib.contextmanager
@@ -141,11 +159,11 @@ def needs_32_bit_mode(traced: Any, avals: Sequence[Any]) -> bool:
 
 
 def _trace(jax: types.ModuleType, fn: Callable, avals: Sequence[Any], op_name: str,
-           enable_x64: bool) -> Any:
+           enable_x64: bool, keep_unused: bool = False) -> Any:
   with jax_private.enable_x64(enable_x64), jax_private.gspmd_partitioner():
     try:
       with jax.checking_leaks():
-        return jax.jit(fn, keep_unused=True).trace(*avals)
+        return jax.jit(fn, keep_unused=keep_unused).trace(*avals)
     except Exception as e:
       if not jax_private.is_leak_error(e):
         raise

@@ -88,7 +88,7 @@ class Bridged(Generic[_F]):
     floats, others, mutated, layout = self.keyed(
         lambda key: self._invoke(call_.spec, key, call_.diff, call_.other), device, seed)
     write_back(self.name, (call_.args, call_.kwargs), layout.mutated, mutated, call_.diff)
-    outputs = layout.rebuild(floats, others)
+    outputs = layout.rebuild(floats, others, (call_.args, call_.kwargs))
     if call_.boxed:
       outputs, after = outputs
       stateful.write_back(call_.boxed, after, device)
@@ -141,10 +141,12 @@ class Bridged(Generic[_F]):
     if stateful.has_snapshots((args, kwargs)):
       fn = stateful.functionalized(fn)
     self.traces += 1
+    aliases: list = []
     try:
       with rollback.tracing(self.name):
         outputs, mutated, drew_random = tracing.run_torch(
-            fn, key_data, args, kwargs, fn_name=self.name, grad=spec.autograd(diff, other))
+            fn, key_data, args, kwargs, fn_name=self.name, grad=spec.autograd(diff, other),
+            aliases=aliases)
     except errors.CapturedTensorError as e:  # completed with where the search for captures stopped
       more = captures.hint(self.fn) if self.lift else ""
       if not more:
@@ -152,8 +154,12 @@ class Bridged(Generic[_F]):
       raise type(e)(f"{e}{more}") from e.__cause__
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
-    kinds = tuple(bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
-                  if isinstance(x, jax.Array) else Static(x) for x in out_leaves)
+    if len(aliases) != len(out_leaves):  # (a structure flattened otherwise: none found)
+      aliases = [None] * len(out_leaves)
+    kinds = tuple(spec_.Alias(*alias) if alias is not None else
+                  bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+                  if isinstance(x, jax.Array) else Static(x)
+                  for x, alias in zip(out_leaves, aliases))
     floats = [x for x, kind in zip(out_leaves, kinds) if kind is True]
     others = [x for x, kind in zip(out_leaves, kinds) if kind is False]
     positions = tuple(sorted(mutated))

@@ -52,20 +52,45 @@ class Static:
 
 
 @dataclasses.dataclass(frozen=True)
+class Alias:
+  """An output leaf that is the very tensor of an argument leaf (`source` "argument": returned as
+  it came, or after an in-place update) or of an earlier output leaf ("output": returned twice),
+  given back as that tensor, as torch code gives it: an in-place update of the output later
+  shows in the other (not a view: `x.chunk(2)` returns new tensors)."""
+  source: str
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """What a trace learned about its outputs; travels as static data through `call_jax`. `kinds`
   has one entry per output leaf: True (a floating-point array, differentiable), False (another
-  array) or a `Static` (a value that is not an array, returned as it is)."""
+  array), a `Static` (a value that is not an array, returned as it is) or an `Alias`."""
   out_tree: PyTreeDef
-  kinds: tuple[bool | Static, ...]
+  kinds: tuple[bool | Static | Alias, ...]
   mutated: tuple  # positions (among all argument leaves) updated in place
   packed: bool  # outputs in a structure only torch's pytrees know (stateful.pack_outputs)
 
-  def rebuild(self, floats: Iterable[Any], others: Iterable[Any]) -> PyTree:
-    """The outputs' pytree from the call's floating-point and other arrays."""
+  def rebuild(self, floats: Iterable[Any], others: Iterable[Any],
+              arguments: PyTree = None) -> PyTree:
+    """The outputs' pytree from the call's floating-point and other arrays (and, for an
+    `Alias`, the call's `arguments`: `(args, kwargs)`)."""
     float_it, other_it = iter(floats), iter(others)
-    return self.out_tree.unflatten([next(float_it) if kind is True else next(other_it)
-                                    if kind is False else kind.value for kind in self.kinds])
+    leaves: list = []
+    argument_leaves: list | None = None
+    for kind in self.kinds:
+      if kind is True or kind is False:
+        leaves.append(next(float_it) if kind else next(other_it))
+      elif isinstance(kind, Alias):
+        if kind.source == "output":
+          leaves.append(leaves[kind.index])
+          continue
+        if argument_leaves is None:
+          argument_leaves = runtime.jax_module().tree.leaves(arguments)
+        leaves.append(argument_leaves[kind.index])
+      else:
+        leaves.append(kind.value)
+    return self.out_tree.unflatten(leaves)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -309,7 +309,7 @@ def _entered(jax: types.ModuleType, env: torchax.tensor.Environment) -> Iterator
 
 
 def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwargs: PyTree, *,
-              fn_name: str, grad: grad_reads.Caller | None = None,
+              fn_name: str, grad: grad_reads.Caller | None = None, aliases: list | None = None,
               ) -> tuple[PyTree, dict[int, jax_types.Array], bool]:
   """Calls torch `fn(*args, **kwargs)` on the JAX arrays in `args`/`kwargs`, inside a JAX trace.
 
@@ -317,7 +317,10 @@ def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwar
   position of each argument array (in `jax.tree.leaves((args, kwargs))` order) that the code
   updated in place to its new value; whether the code drew random numbers. `key_data` (int32[2])
   seeds every random op. `grad`: the grad mode the code runs in and the arrays whose tensors
-  answer `requires_grad` True (`grad_reads`); None: as it is now, and none.
+  answer `requires_grad` True (`grad_reads`); None: as it is now, and none. `aliases`, when
+  given, receives one entry per output leaf: `("argument", i)` for an output that is the tensor of
+  argument leaf i itself (returned as it came, or after an in-place update), `("output", k)` for
+  one returned again after output leaf k, None for the others.
 
   Example:
     >>> jax = runtime.jax_module()
@@ -352,7 +355,27 @@ def run_torch(fn: Callable, key_data: jax_types.Array | None, args: PyTree, kwar
     raise diagnostics.translate(e, fn_name) from e
   mutated = {i: w.jax() for i, (w, x) in enumerate(zip(wrapped, leaves))
              if isinstance(w, torchax.tensor.Tensor) and w.jax() is not x}
+  if aliases is not None:
+    aliases.extend(_aliases(jax, outputs, wrapped))
   return _unwrap(jax, outputs, fn_name), mutated, drew_random
+
+
+def _aliases(jax: types.ModuleType, outputs: PyTree, arguments: list) -> list:
+  """Per output leaf: the argument leaf or earlier output leaf it is the very tensor of, or None
+  (torchax tensors by identity: a `clone` is another tensor holding the same array)."""
+  argument_at: dict[int, tuple[str, int]] = {}
+  for i, value in enumerate(arguments):
+    if isinstance(value, torch.Tensor):
+      argument_at.setdefault(id(value), ("argument", i))
+  found: list[tuple[str, int] | None] = []
+  seen: dict[int, tuple[str, int]] = {}
+  for k, leaf in enumerate(jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, torch.Tensor))):
+    if not isinstance(leaf, torch.Tensor):
+      found.append(None)
+      continue
+    found.append(argument_at.get(id(leaf)) or seen.get(id(leaf)))
+    seen.setdefault(id(leaf), ("output", k))
+  return found
 
 
 def _unwrap(jax: types.ModuleType, outputs: PyTree, fn_name: str) -> PyTree:

@@ -2,7 +2,6 @@
 attention masks, whole-model `jb.train_step`, LayerDrop, nested block outputs, bridging by class
 name; against eager CPU (losses and gradient norms)."""
 import copy
-import warnings
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, inline, rollback, stateful, vjp
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge import spec as spec_
-from torch_xla_jaxbridge._bridge.spec import Layout, Static, register_static_pytree
+from torch_xla_jaxbridge._bridge.spec import Layout, register_static_pytree
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import call, modules, rng, runtime, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
@@ -154,12 +154,7 @@ class Bridged(Generic[_F]):
       raise type(e)(f"{e}{more}") from e.__cause__
     self.draws_random = bool(self.draws_random) or drew_random
     out_leaves, out_tree = jax.tree.flatten(outputs)
-    if len(aliases) != len(out_leaves):  # (a structure flattened otherwise: none found)
-      aliases = [None] * len(out_leaves)
-    kinds = tuple(spec_.Alias(*alias) if alias is not None else
-                  bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
-                  if isinstance(x, jax.Array) else Static(x)
-                  for x, alias in zip(out_leaves, aliases))
+    kinds = spec_.output_kinds(out_leaves, aliases)
     floats = [x for x, kind in zip(out_leaves, kinds) if kind is True]
     others = [x for x, kind in zip(out_leaves, kinds) if kind is False]
     positions = tuple(sorted(mutated))

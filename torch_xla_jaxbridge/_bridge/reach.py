@@ -20,7 +20,7 @@ import functools
 import sys
 import types
 import weakref
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 

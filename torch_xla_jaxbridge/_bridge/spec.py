@@ -61,6 +61,23 @@ class Alias:
   index: int
 
 
+def output_kinds(leaves: Sequence[Any], aliases: Sequence[tuple[str, int] | None]) -> tuple:
+  """A `Layout`'s kinds of output `leaves`, given `run_torch`'s `aliases` of them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> output_kinds([jnp.ones(2), jnp.ones(2, int), "a", jnp.ones(2)],
+    ...              [None, None, None, ("argument", 0)])[:2]
+    (True, False)
+  """
+  jax = runtime.jax_module()
+  if len(aliases) != len(leaves):  # (a structure flattened otherwise: none found)
+    aliases = [None] * len(leaves)
+  return tuple(Alias(*alias) if alias is not None else
+               bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+               if isinstance(x, jax.Array) else Static(x) for x, alias in zip(leaves, aliases))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """What a trace learned about its outputs; travels as static data through `call_jax`. `kinds`

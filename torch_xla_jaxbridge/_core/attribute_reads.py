@@ -7,7 +7,7 @@ differ between the layers are fine where the forward never reads them (Hugging F
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 

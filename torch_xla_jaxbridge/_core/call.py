@@ -5,7 +5,6 @@ import contextlib
 import inspect
 import re
 import threading
-import types
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch

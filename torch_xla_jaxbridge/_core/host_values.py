@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import sys
 import types
 import weakref
 from typing import Any, Callable, Iterable
@@ -28,8 +29,8 @@ from torch_xla_jaxbridge._core import code_names
 
 DEPTH = 4  # helper functions followed below a forward
 _ATOMS = (type(None), bool, int, float, str)
-_LIBRARIES = ("torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy", "torch_xla_jaxbridge",
-              "builtins", "functools", "typing", "abc")
+_LIBRARIES = frozenset(["torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy",
+                        "torch_xla_jaxbridge", *sys.stdlib_module_names])
 _MISSING = object()  # a global or class attribute not (or no longer) there
 
 

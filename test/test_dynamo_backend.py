@@ -109,3 +109,39 @@ def test_in_place_change_of_a_cpu_result_before_backward_works_as_in_eager():
   y.add_(1)
   y.sum().backward()
   torch.testing.assert_close(x.grad, 2 * torch.cos(x.detach()))
+
+
+class _Residual(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+  def forward(self, x):
+    return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def _stack_loss(model, x, backend):
+  """Loss and gradients of `model` compiled with `backend` on `x`."""
+  torch._dynamo.reset()
+  model.zero_grad()
+  loss = torch.compile(model, backend=backend)(x).square().mean()
+  loss.backward()
+  return loss.detach().cpu(), [p.grad.cpu() for p in model.parameters()]
+
+
+def test_a_model_with_bridged_layers_compiles_with_torch_xlas_backend_as_plain(dev):
+  """`torch.compile(model, backend="openxla")`: Dynamo traces the bridged layers' torch code
+  (a bridge called while Dynamo traces runs plain), as for the model without the bridge."""
+  torch.manual_seed(0)
+  eager = torch.nn.Sequential(_Residual(), _Residual())
+  x = torch.randn(4, 8)
+  expected = _stack_loss(eager, x, "eager")
+  for bridged in (False, True):
+    model = torch.nn.Sequential(_Residual(), _Residual()).to(dev)
+    model.load_state_dict(eager.state_dict())
+    if bridged:
+      jb.bridge_modules(model, ["_Residual"])
+    loss, grads = _stack_loss(model, x.to(dev), "openxla")
+    torch.testing.assert_close(loss, expected[0])
+    for got, want in zip(grads, expected[1]):
+      torch.testing.assert_close(got, want)

@@ -356,11 +356,16 @@ def functorch_transforms_active() -> bool:
   return torch._C._are_functorch_transforms_active()
 
 
+_DYNAMO_COMPILING = torch.compiler.is_compiling  # torch's own: the package answers True while
+# it traces (`_integrations.trace_signals`), and Dynamo folds a call of this one to True
+
+
 def torch_tracer_active() -> bool:
-  """Whether torch code is being traced by torch's own machinery in this thread: a fake-tensor,
-  functionalization or proxy (`make_fx`) dispatch mode, or a `torch.func` transform, as
-  AOTAutograd sets up (torch_xla's `scan` and `scan_layers` trace their body with it). Bridged
-  code called there runs as plain torch code. Public alternative: none.
+  """Whether torch code is being traced by torch's own machinery in this thread: Dynamo
+  (`torch.compile` with another backend than the package's), a fake-tensor, functionalization or
+  proxy (`make_fx`) dispatch mode, or a `torch.func` transform, as AOTAutograd sets up
+  (torch_xla's `scan` and `scan_layers` trace their body with it). Bridged code called there runs
+  as plain torch code. Public alternative: none.
 
   Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -369,6 +374,8 @@ def torch_tracer_active() -> bool:
     >>> torch_tracer_active(), inside
     (False, True)
   """
+  if _DYNAMO_COMPILING():
+    return True
   mode = torch._C._get_dispatch_mode
   keys = torch._C._TorchDispatchModeKey
   return (torch._C._are_functorch_transforms_active() or mode(keys.FAKE) is not None

@@ -72,3 +72,16 @@ def test_train_step_of_a_loss_tensor_says_it_takes_the_loss_function(dev):
       "arguments, not a loss already computed: `step = jb.train_step(lambda x, y: "
       "F.mse_loss(model(x), y), optimizer)`, then `loss = step(x, y)` each step.")):
     jb.train_step(loss, jb.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_bridge_modules_called_again_returns_the_paths_and_applies_its_options(dev):
+  torch.manual_seed(0)
+  net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).to(dev)
+  x = torch.randn(3, 4, device=dev)
+  assert jb.bridge_modules(net, ["Linear"]) == ["0", "2"]
+  first = net(x).cpu()
+  assert jb.bridge_modules(net, ["Linear"]) == ["0", "2"]  # a setup run twice
+  torch.testing.assert_close(net(x).cpu(), first)
+  assert jb.bridge_modules(net, ["Linear"], remat="full") == ["0", "2"]
+  assert net[0].forward.args[1].remat == "full"
+  torch.testing.assert_close(net(x).cpu(), first)

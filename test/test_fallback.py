@@ -383,3 +383,66 @@ def test_an_error_plain_torch_xla_raises_too_reaches_the_user_as_its_own(dev):
   assert not isinstance(raised.value, jb.errors.BridgeError)
   with pytest.raises(jb.errors.JaxTracingError, match="bad_shapes failed while being traced"):
     jb.bridge(bad_shapes, fallback=False)(torch.ones(2, 3, device=dev))
+
+
+class Checked(torch.nn.Module):
+  """Raises the user's own error for a batch it refuses, as plain torch code would."""
+
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(4, 4)
+
+  def forward(self, x):
+    if x.shape[0] == 3:
+      raise ValueError("batches of 3 are refused")
+    return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("entry", ["bridge_modules", "BridgeModule", "bridge", "train_step"])
+def test_an_error_of_the_users_code_reaches_the_caller_and_the_next_call_is_bridged(dev, entry):
+  """One bad batch: the error plain torch_xla gives (its type and message), and the region stays
+  bridged (it used to run as plain LazyTensor code for the rest of the run)."""
+  torch.manual_seed(0)
+  eager = torch.nn.Sequential(Checked())
+  model = copy.deepcopy(eager).to(dev)
+  if entry == "bridge_modules":
+    jb.bridge_modules(model, ["Checked"])
+    call = model
+  elif entry == "BridgeModule":
+    call = jb.BridgeModule(model)
+  elif entry == "bridge":
+    call = jb.bridge(lambda x: model(x))
+  else:
+    opt = jb.optim.SGD(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    call = jb.train_step(lambda x: model(x).square().mean(), opt)
+  before = jb.bridge_report()
+  good, bad = torch.randn(2, 4), torch.randn(3, 4)
+  for x in (good, bad, good, good):
+    if entry == "train_step":
+      try:
+        eager_opt.zero_grad()
+        expected = eager(x).square().mean()
+        expected.backward()
+        eager_opt.step()
+      except ValueError as e:
+        expected = e
+    else:
+      try:
+        expected = eager(x)
+      except ValueError as e:
+        expected = e
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", jb.errors.FallbackWarning)  # said while the call runs
+      if isinstance(expected, ValueError):
+        with pytest.raises(ValueError, match="batches of 3 are refused"):
+          call(x.to(dev))
+        continue
+      got = call(x.to(dev))
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch_xla.sync()
+  rows = jb.bridge_report(since=before).rows
+  assert rows and all(r.status == "bridged" for r in rows), rows
+  misses = jb.cache_info().misses
+  call(good.to(dev))
+  assert jb.cache_info().misses == misses  # the trace made before the bad batch, reused

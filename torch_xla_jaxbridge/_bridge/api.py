@@ -31,7 +31,8 @@ class Fallback:
       if ran:
         outcome.bridged_again()
         return outputs
-    return self.run(args, kwargs)
+    with outcome.plain_run():
+      return self.run(args, kwargs)
 
   def run(self, args: tuple, kwargs: dict) -> Any:
     settings = auto.Settings(self.bridged.name, None, self.enabled)

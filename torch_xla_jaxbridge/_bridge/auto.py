@@ -152,7 +152,7 @@ class ModuleBridge:
           return outputs
       else:
         self.outcome.fall_back(hook_error(hooked, self.settings.name), self.settings.fallback)
-    with submodules_bridged(module, self.settings):
+    with self.outcome.plain_run(), submodules_bridged(module, self.settings):
       if self.settings.hooks:  # the module's own hooks too (`BridgeModule`)
         return module(*args, **kwargs)
       return type(module).forward(module, *args, **kwargs)
@@ -306,7 +306,8 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type] | str |
   module (its parameters, `state_dict()`, hooks). A module that cannot be bridged runs as plain
   LazyTensor code with its own submodules bridged (`fallback=False`: raise instead); on the CPU
   (`model.to("cpu")`), its own forward runs, and back on XLA it is bridged again. Returns the
-  paths of the modules bridged. Like torchprime's `model.pure_modules`. With the optimizer
+  paths of the modules bridged (bridged before too: called again, it applies the new `remat`
+  and `fallback`). Like torchprime's `model.pure_modules`. With the optimizer
   from `jb.optim` (same arguments as torch's), its step is one node too: most of the gain left
   to `jb.train_step` (docs/performance.md, "Time to first step against depth"). One class or
   class name alone is as if in a list.
@@ -334,11 +335,13 @@ def bridge_modules(model: torch.nn.Module, classes: Iterable[str | type] | str |
   remat_policies.policy_for(remat)  # validates `remat`
   found, layers = [], []
   for path, module in model.named_modules():
-    if type(module).__name__ in names and "forward" not in vars(module):
+    own = vars(module).get("forward")  # a forward set on the module itself, not its class's
+    if type(module).__name__ in names and (own is None or
+                                           isinstance(own, modules.BridgedForward)):
       settings = Settings(path or type(module).__name__, remat, fallback)
       module.forward = modules.BridgedForward(bridged_forward, module, settings)
       found.append(path)
-      if hf_checkpointing.is_checkpointing_layer(module):
+      if own is None and hf_checkpointing.is_checkpointing_layer(module):
         hf_checkpointing.take_over(module)
         layers.append(module)
   if layers:  # `gradient_checkpointing_enable()` may come later

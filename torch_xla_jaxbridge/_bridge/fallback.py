@@ -9,11 +9,12 @@ line) and kept in the report `jb.bridge_report()`. With `fallback=False` the err
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, Iterator
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._core import diagnostics
@@ -53,6 +54,7 @@ class Outcome:
     self.status, self.reason, self.where = "bridged", "", ""
     self.fell_back = False
     self.said: set[bool] = set()  # warned of a lasting fallback (True), of a passing one (False)
+    self.before: tuple | None = None  # (status, reason, where, fell_back, said) before a fallback
     self.order = next(_COUNTER)
     with _LOCK:
       _UNITS[self.order] = self
@@ -65,6 +67,7 @@ class Outcome:
       raise exc
     lasting = bool(getattr(exc, "lasting", True))
     with _LOCK:
+      self.before = (self.status, self.reason, self.where, self.fell_back, set(self.said))
       first = lasting not in self.said
       self.said.add(lasting)
       self.status, self.fell_back = "fallback", self.fell_back or lasting
@@ -77,6 +80,35 @@ class Outcome:
           f"{self.name} runs as plain LazyTensor code{again} ({self.reason}); the modules inside "
           f"it are bridged where they can be. jb.bridge_report() lists what runs bridged; "
           f"fallback=False raises instead.", errors.FallbackWarning, stacklevel=4)
+
+  @contextlib.contextmanager
+  def plain_run(self) -> Iterator[None]:
+    """Around the plain run of a call that fell back: where it raises too, the error is the
+    code's own (plain torch_xla raises it as well), not the bridge's, and it reaches the caller
+    as plain torch_xla gives it; the fallback this call recorded is undone, so the next call is
+    bridged again (one bad batch does not make a region plain for the rest of the run).
+
+    Example:
+      >>> outcome = Outcome("f", "function")
+      >>> with warnings.catch_warnings():
+      ...   warnings.simplefilter("ignore")
+      ...   outcome.fall_back(errors.NoLoweringError("no rule"), True)
+      >>> try:
+      ...   with outcome.plain_run():
+      ...     raise ValueError("the code's own error")
+      ... except ValueError:
+      ...   pass
+      >>> outcome.fell_back, outcome.status
+      (False, 'bridged')
+    """
+    before, self.before = self.before, None
+    try:
+      yield
+    except Exception:
+      if before is not None:
+        with _LOCK:
+          self.status, self.reason, self.where, self.fell_back, self.said = before
+      raise
 
   def bridged_again(self) -> None:
     """A call bridged after calls that fell back for a passing cause: the region says so."""

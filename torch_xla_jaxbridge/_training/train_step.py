@@ -55,7 +55,8 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
       if ran:
         self.outcome.bridged_again()
         return loss
-    return self._plain_step(args, kwargs)
+    with self.outcome.plain_run():
+      return self._plain_step(args, kwargs)
 
   def _plain_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
     """The step as plain LazyTensor code with the modules the loss reads bridged one by one:

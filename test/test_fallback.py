@@ -14,6 +14,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
+import entries
 
 
 class Block(torch.nn.Module):
@@ -398,20 +399,15 @@ class Checked(torch.nn.Module):
     return torch.tanh(self.lin(x))
 
 
-@pytest.mark.parametrize("entry", ["bridge_modules", "BridgeModule", "bridge", "train_step"])
+@pytest.mark.parametrize("entry", [*entries.ENTRIES, "train_step"])
 def test_an_error_of_the_users_code_reaches_the_caller_and_the_next_call_is_bridged(dev, entry):
   """One bad batch: the error plain torch_xla gives (its type and message), and the region stays
   bridged (it used to run as plain LazyTensor code for the rest of the run)."""
   torch.manual_seed(0)
   eager = torch.nn.Sequential(Checked())
   model = copy.deepcopy(eager).to(dev)
-  if entry == "bridge_modules":
-    jb.bridge_modules(model, ["Checked"])
-    call = model
-  elif entry == "BridgeModule":
-    call = jb.BridgeModule(model)
-  elif entry == "bridge":
-    call = jb.bridge(lambda x: model(x))
+  if entry != "train_step":
+    call = entries.bridged(entry, model, "Checked")
   else:
     opt = jb.optim.SGD(model.parameters(), lr=0.1)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)

@@ -11,6 +11,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
+import entries
 from torch_xla_jaxbridge._core import host_values
 
 SCALE = 1.0
@@ -54,18 +55,12 @@ def _set(kind):
 
 
 @pytest.mark.parametrize("kind", ["global", "class attribute", "environment variable"])
-@pytest.mark.parametrize("entry", ["bridge_modules", "BridgeModule", "bridge"])
+@pytest.mark.parametrize("entry", entries.ENTRIES)
 def test_a_changed_outside_value_traces_again_and_gives_eagers_values(dev, restore, entry, kind):
   torch.manual_seed(0)
   eager = torch.nn.Sequential(Block())
   model = copy.deepcopy(eager).to(dev)
-  if entry == "bridge_modules":
-    jb.bridge_modules(model, ["Block"])
-    call = model
-  elif entry == "BridgeModule":
-    call = jb.BridgeModule(model)
-  else:
-    call = jb.bridge(lambda x: model(x))
+  call = entries.bridged(entry, model, "Block")
   x = torch.randn(2, 4)
   jb.clear_cache()
   for step in range(4):

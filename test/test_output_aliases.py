@@ -9,6 +9,7 @@ import torch
 import torch_xla
 
 import torch_xla_jaxbridge as jb
+import entries
 
 
 class Skip(torch.nn.Module):  # a disabled layer: its input, as it came
@@ -41,22 +42,15 @@ def _after_in_place(module, x, wrap):
 
 
 @pytest.mark.parametrize("make", [Skip, ReluInPlace, Twin])
-@pytest.mark.parametrize("entry", ["BridgeModule", "bridge_modules", "bridge"])
+@pytest.mark.parametrize("entry", entries.ENTRIES)
 def test_an_output_that_is_an_input_or_another_output_is_that_tensor(dev, make, entry):
   torch.manual_seed(0)
   eager = make()
   model = copy.deepcopy(eager).to(dev)
-  if entry == "BridgeModule":
-    wrap = jb.BridgeModule
-  elif entry == "bridge":
-    wrap = lambda m: jb.bridge(lambda x: m(x))  # noqa: E731
-  else:
-    holder = torch.nn.Sequential(model)
-    jb.bridge_modules(holder, [make.__name__])
-    wrap = lambda m: holder  # noqa: E731
+  call = entries.bridged(entry, model, make.__name__)
   x = torch.randn(2, 4)
   expected_x, expected = _after_in_place(eager, x.clone(), lambda m: m)
-  got_x, got = _after_in_place(model, x.to(dev), wrap)
+  got_x, got = _after_in_place(model, x.to(dev), lambda m: call)
   torch.testing.assert_close(got_x.cpu(), expected_x)
   for a, b in zip(got if isinstance(got, tuple) else (got,),
                   expected if isinstance(expected, tuple) else (expected,)):

@@ -434,3 +434,22 @@ def test_a_parameter_moved_to_another_group_takes_its_hyperparameters(dev, make)
   eager_change, eager_weight = run(torch.optim.AdamW, "cpu")
   assert not eager_change.any() and not bias_change.any()
   torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gradients_norm_is_computed_only_for_clipping(dev):
+  """Each parameter's norm is a reduction, a kernel of its own in the step's program: without
+  clipping the step computes none (`grad_norm` is None), with it one per parameter."""
+  def reductions(clip):
+    torch.manual_seed(0)
+    model = mlp(dev)
+    opt = jb.optim.AdamW(model.parameters(), lr=0.01, max_grad_norm=clip)
+    model(torch.ones(2, 6, device=dev)).sum().backward()
+    opt.step()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(model.parameters()))
+    torch_xla.sync()
+    return opt.grad_norm, sum(" reduce(" in line for line in hlo.splitlines())
+
+  unclipped_norm, unclipped = reductions(None)
+  clipped_norm, clipped = reductions(1.0)
+  assert unclipped_norm is None and clipped_norm is not None
+  assert clipped - unclipped == len(list(mlp(dev).parameters())) + 1  # and the norm of norms

@@ -17,7 +17,6 @@ a plain value was is found.
 import argparse
 import collections
 import functools
-import sys
 import types
 import weakref
 from typing import Any, Callable, Hashable, Sequence
@@ -30,8 +29,6 @@ CELL, GLOBAL, SELF, PARG, PKW = "cell", "global", "self", "partial arg", "partia
 ATTR, ITEM, BOUND = "attr", "item", "bound"  # steps: an attribute, an item, a method's `self`
 DEPTH = 4  # steps below a root the walk follows
 WIDTH = 64  # entries of a dict, list or tuple it reads (a larger one is not entered)
-_LIBRARIES = {"torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy", "torch_xla_jaxbridge",
-              "builtins", *sys.stdlib_module_names}
 _NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
@@ -123,7 +120,7 @@ class Target:
 def _library_class(cls: type) -> bool:
   """Whether `cls` or a base comes from Python itself or from torch, JAX, NumPy or this package:
   its objects (loggers, locks, optimizers, data loaders) hold no model the code reads there."""
-  return any((getattr(k, "__module__", None) or "").split(".")[0] in _LIBRARIES
+  return any((getattr(k, "__module__", None) or "").split(".")[0] in code_names.LIBRARIES
              for k in cls.__mro__[:-1])
 
 

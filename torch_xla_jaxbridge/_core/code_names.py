@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import dis
 import functools
+import sys
 import types
+
+# the top-level packages whose code is library code, never a model's: Python's own, torch, JAX,
+# NumPy and this package (`_bridge.reach` does not enter their objects, `host_values` their code)
+LIBRARIES = frozenset(["torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy",
+                       "torch_xla_jaxbridge", *sys.stdlib_module_names])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import operator
 import os
-import sys
 import types
 import weakref
 from typing import Any, Callable, Iterable
@@ -29,8 +28,6 @@ from torch_xla_jaxbridge._core import code_names
 
 DEPTH = 4  # helper functions followed below a forward
 _ATOMS = (type(None), bool, int, float, str)
-_LIBRARIES = frozenset(["torch", "torch_xla", "torchax", "jax", "jaxlib", "numpy",
-                        "torch_xla_jaxbridge", *sys.stdlib_module_names])
 _MISSING = object()  # a global or class attribute not (or no longer) there
 
 
@@ -126,7 +123,7 @@ class _Finder:
     self.readers.setdefault(place, (reader, name))
 
   def found(self) -> HostValues:
-    for held, where, names in self.held.values():  # one `attrgetter` per object
+    for held, where, names in self.held.values():  # one `itemgetter` per object
       read = sorted(names)
       self.add((id(held), ()), _attributes_reader(held, read),
                f"attributes {where}.{{{', '.join(read)}}}")
@@ -248,7 +245,7 @@ def _attribute(cls: type, name: str) -> object:
 
 def _library(value: object) -> bool:
   module = getattr(value, "__module__", None) or ""
-  return module.partition(".")[0] in _LIBRARIES
+  return module.partition(".")[0] in code_names.LIBRARIES
 
 
 def _upper_case_strings(code: types.CodeType) -> set[str]:

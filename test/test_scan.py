@@ -1,4 +1,5 @@
 """scan_layers against the unrolled eager CPU model: outputs, gradients, remat, RNG, errors."""
+import contextlib
 import copy
 import gc
 import weakref
@@ -200,6 +201,26 @@ def test_stacked_layers_match_the_unrolled_linear_stack(dev):
 def test_stacked_decoder_layers_with_shared_positions(dev, remat):
   stacked_vs_unrolled([models.DecoderLayer() for _ in range(3)], torch.randn(2, 8, 32), dev,
                       shared=(torch.arange(8),), remat=remat)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "frozen"])
+def test_stacked_layers_run_without_a_backward_with_shared_arguments(dev, how):
+  """Evaluation (no grad mode, or no input requiring grad) with a tensor given to every layer:
+  the eager stack's values, and nothing of the trace kept (it once raised LeakedTensorError)."""
+  torch.manual_seed(0)
+  layers = [models.DecoderLayer() for _ in range(3)]
+  x, positions = torch.randn(2, 8, 32), torch.arange(8)
+  expected = x
+  with torch.no_grad():
+    for layer in layers:
+      expected = layer(expected, positions)
+  stack = jb.StackedLayers(copy.deepcopy(layers)).to(dev)
+  mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+  if mode is None:
+    stack.requires_grad_(False)
+  with mode() if mode else contextlib.nullcontext():
+    out = stack(x.to(dev), positions.to(dev))
+  assert rel_err(out.cpu(), expected) < 1e-5
 
 
 class TiedPair(torch.nn.Module):

@@ -359,7 +359,9 @@ def _scan(template: torch.nn.Module, policy: Callable | None, count: int, params
     layer_params, layer_buffers, key = xs
     return run_layer(carry, layer_params, layer_buffers, key), None
 
-  body = _residuals_read_whole(jax.checkpoint(body, policy=policy))
+  body = jax.checkpoint(body, policy=policy)
+  if _differentiated(carry, params, shared_args, shared_kwargs):
+    body = _residuals_read_whole(body)
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)
   return grad_reads.like(wrap(final), (carry, params))
@@ -377,6 +379,14 @@ def _layer_arguments(template: torch.nn.Module, carry: Any, shared_args: tuple,
     except TypeError:
       return lambda c: (*c, *shared)
   return lambda c: (c, *shared)
+
+
+def _differentiated(*inputs: Any) -> bool:
+  """Whether a backward may follow: grad mode on and an input requiring grad (both read as the
+  caller's). Without one, `_residuals_read_whole`'s rule has nothing to do, and tracing its
+  primal closed over the shared arguments kept them in JAX's trace cache past the trace."""
+  leaves = runtime.jax_module().tree.leaves(inputs)
+  return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in leaves)
 
 
 def _residuals_read_whole(body: Callable) -> Callable:

@@ -17,8 +17,8 @@ from torch_xla_jaxbridge._bridge.bridging import Bridged
 from torch_xla_jaxbridge._bridge import layer_check
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
-from torch_xla_jaxbridge._core import (attribute_reads, call, grad_reads, modules, runtime,
-                                       sharding, tracing)
+from torch_xla_jaxbridge._core import (attribute_reads, call, grad_reads, modules, recompute,
+                                       runtime, sharding, tracing)
 
 # The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
 # no layer), and kept as long as the first layer of one of them lives: each first layer holds its
@@ -360,8 +360,9 @@ def _scan(template: torch.nn.Module, policy: Callable | None, count: int, params
     return run_layer(carry, layer_params, layer_buffers, key), None
 
   body = jax.checkpoint(body, policy=policy)
-  if _differentiated(carry, params, shared_args, shared_kwargs):
-    body = _residuals_read_whole(body)
+  if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in jax.tree.leaves(
+      (carry, params, shared_args, shared_kwargs))):  # a backward may follow (caller's flags)
+    body = recompute.residuals_read_whole(body)
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)
   return grad_reads.like(wrap(final), (carry, params))
@@ -379,32 +380,3 @@ def _layer_arguments(template: torch.nn.Module, carry: Any, shared_args: tuple,
     except TypeError:
       return lambda c: (*c, *shared)
   return lambda c: (c, *shared)
-
-
-def _differentiated(*inputs: Any) -> bool:
-  """Whether a backward may follow: grad mode on and an input requiring grad (both read as the
-  caller's). Without one, `_residuals_read_whole`'s rule has nothing to do, and tracing its
-  primal closed over the shared arguments kept them in JAX's trace cache past the trace."""
-  leaves = runtime.jax_module().tree.leaves(inputs)
-  return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in leaves)
-
-
-def _residuals_read_whole(body: Callable) -> Callable:
-  """`body` with a backward that reads its layer's saved residuals through an optimization
-  barrier. Without it XLA:CPU fuses the slicing of the stacked residuals into the kernels that
-  consume them, and those kernels (transposes feeding the weight-gradient matmuls) ran several
-  times slower than on whole arrays (measured in docs/performance.md)."""
-  jax = runtime.jax_module()
-
-  @jax.custom_vjp
-  def scanned(carry: Any, xs: Any) -> Any:
-    return body(carry, xs)
-
-  def forward(carry: Any, xs: Any) -> Any:
-    return jax.vjp(body, carry, xs)  # the backward function is a pytree of the residuals
-
-  def backward(saved: Any, cotangent: Any) -> Any:
-    return jax.lax.optimization_barrier(saved)(cotangent)
-
-  scanned.defvjp(forward, backward)
-  return scanned

@@ -4,7 +4,8 @@ A bridged step is one XLA program. In line, XLA merges a remat policy's recomput
 forward it repeats (or runs it early) and keeps its values, so the policy saves nothing. A
 conditional's branch is its own computation, run only once the cotangents exist, its values freed
 when it returns. Bridged calls with a policy, bridged calls in bridged code and torch's
-checkpoint inside bridged code all put their backward there.
+checkpoint inside bridged code all put their backward there. A scan over stacked layers reads
+its saved residuals whole in the backward (`residuals_read_whole`).
 """
 from __future__ import annotations
 
@@ -122,3 +123,33 @@ def in_conditional(vjp: Callable, residuals: list, cotangents: list) -> Any:
   always = ~((first < 0) & (first >= 0))  # true for every value, NaN included
   nothing = lambda r, c: jax.tree.map(jax.numpy.zeros_like, jax.eval_shape(vjp, r, c))  # noqa
   return jax.lax.cond(always, vjp, nothing, residuals, cotangents)
+
+
+def residuals_read_whole(body: Callable) -> Callable:
+  """`body` (a scan's body) with a backward that reads its saved residuals through an
+  optimization barrier. Without it XLA:CPU fuses the slicing of the stacked residuals into the
+  kernels that consume them, and those kernels (transposes feeding the weight-gradient matmuls)
+  ran several times slower than on whole arrays (measured in docs/performance.md). Use it only
+  where a backward follows: tracing the rule's primal without one keeps the tensors `body`
+  closes over in JAX's trace cache past the trace (a `LeakedTensorError`).
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> body = residuals_read_whole(lambda c, x: (c * x, None))
+    >>> float(jax.grad(lambda c: jax.lax.scan(body, c, jax.numpy.arange(1.0, 4.0))[0])(2.0))
+    6.0
+  """
+  jax = runtime.jax_module()
+
+  @jax.custom_vjp
+  def scanned(carry: Any, xs: Any) -> Any:
+    return body(carry, xs)
+
+  def forward(carry: Any, xs: Any) -> Any:
+    return jax.vjp(body, carry, xs)  # the backward function is a pytree of the residuals
+
+  def backward(saved: Any, cotangent: Any) -> Any:
+    return jax.lax.optimization_barrier(saved)(cotangent)
+
+  scanned.defvjp(forward, backward)
+  return scanned

@@ -169,6 +169,17 @@ def test_an_unmodified_hugging_face_decoder_compiles_one_layer_body_whatever_its
   assert unrolled[5].count(" dot(") > unrolled[2].count(" dot(")
 
 
+def test_each_layers_gradient_and_optimizer_state_are_read_at_a_traced_index():
+  """XLA:CPU compiles one kernel per distinct kernel body: a layer's gradient sliced from the
+  loop's stacked gradient, and its AdamW state from the flat buffers, at constant offsets made a
+  kernel of their own per layer. Read at a traced index (an input of the step), the slicing is
+  the same whatever the depth."""
+  looped = {n: _step_hlo(n, 2) for n in (2, 5)}
+  assert looped[2].count(" slice(") == looped[5].count(" slice(")
+  per_layer = looped[5].count(" dynamic-slice(") - looped[2].count(" dynamic-slice(")
+  assert per_layer == 3 * 9 * 3  # 3 more layers x 9 parameters x (gradient, exp_avg, exp_avg_sq)
+
+
 def test_fewer_layers_than_loop_from_stay_unrolled():
   assert " while(" not in _step_hlo(3, True)
 

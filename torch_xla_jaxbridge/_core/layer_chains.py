@@ -35,6 +35,8 @@ class Chain:
   stacked_per_call: list
   shared: list
   outputs: list = dataclasses.field(default_factory=list)
+  arguments: list = dataclasses.field(default_factory=list)  # per stacked input, per call: the
+  #                                      position of the traced function's argument, or None
 
   @property
   def start(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -65,8 +65,9 @@ def _marked_class(cls: type) -> type:
   return found
 
 
-def evaluate(closed: Any, chains: list, args: list) -> list:
-  """What the closed jaxpr computes on `args`, with each chain run as one `jax.lax.scan`.
+def evaluate(closed: Any, chains: list, args: list, indices: Sequence[Any] = ()) -> list:
+  """What the closed jaxpr computes on `args`, with each chain run as one `jax.lax.scan` (its
+  inputs stacked by `indexed_stack` where `indices` has a traced index for each call).
 
   Example:
     >>> jax = runtime.jax_module()
@@ -90,7 +91,7 @@ def evaluate(closed: Any, chains: list, args: list) -> list:
   position = 0
   for chain in chains:
     _run_equations(jaxpr, range(position, chain.start), done, env, readers)
-    _run_chain(jaxpr, chain, env)
+    _run_chain(jaxpr, chain, env, indices)
     done.update(k for seg in chain.segments for k in seg)
     position = chain.start
   _run_equations(jaxpr, range(position, len(jaxpr.eqns)), done, env, readers)
@@ -127,7 +128,7 @@ def _run_equations(jaxpr: Any, indices: Iterable[int], done: set, env: dict,
   done.update(todo)
 
 
-def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict) -> None:
+def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict, indices: Sequence[Any]) -> None:
   jax = runtime.jax_module()
   base = [jaxpr.eqns[k] for k in chain.segments[0]]
   stacked0 = [per_call[0] for per_call in chain.stacked_per_call]
@@ -140,7 +141,10 @@ def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict) -> None:
     out = body_fn(*carry, *xs, *shared)
     return list(out[:n_carried]), list(out[n_carried:])
 
-  xs = [jax.numpy.stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
+  calls = len(chain.maps)
+  stack = ((lambda values: indexed_stack(values, indices[:calls])) if len(indices) >= calls
+           else jax.numpy.stack)
+  xs = [stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
   carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs, length=len(chain.maps))
   last = chain.maps[-1]
   for v0, value in zip(chain.carried_out, carry):
@@ -148,6 +152,54 @@ def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict) -> None:
   for v0, stacked in zip(chain.outputs, ys):
     for i, m in enumerate(chain.maps):
       env[m[v0]] = stacked[i]
+
+
+def indexed_stack(values: list, indices: Sequence[Any]) -> Any:
+  """`jnp.stack(values)` whose gradient gives value i the stacked gradient at `indices[i]`, a
+  traced integer scalar (an input of the step, not a constant). The per-layer kernels that read
+  it are then the same kernel for every layer, and XLA:CPU compiles a kernel seen before at
+  almost no cost: with constant indices each layer's slice is a kernel of its own, compiled
+  anew, so the step's compile grows with depth (docs/performance.md).
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> f = lambda a, b, i: (indexed_stack([a, b], i) ** 2).sum()
+    >>> i = [jax.numpy.int32(0), jax.numpy.int32(1)]
+    >>> [g.tolist() for g in jax.grad(f, (0, 1))(jax.numpy.ones(2), jax.numpy.ones(2) * 2, i)]
+    [[2.0, 2.0], [4.0, 4.0]]
+  """
+  jax = runtime.jax_module()
+
+  @jax.custom_vjp
+  def stack(values: list, indices: list) -> Any:
+    return jax.numpy.stack(values)
+
+  def forward(values: list, indices: list) -> tuple:
+    return jax.numpy.stack(values), indices
+
+  def backward(indices: list, cotangent: Any) -> tuple:
+    return [jax.lax.dynamic_index_in_dim(cotangent, i, keepdims=False) for i in indices], None
+
+  stack.defvjp(forward, backward)
+  return stack(list(values), list(indices))
+
+
+def most_calls(roots: Iterable[torch.nn.Module]) -> int:
+  """The most modules of one class that one `ModuleList` or `Sequential` under `roots` holds:
+  the longest loop `marking` can find.
+
+  Example:
+    >>> linear = lambda: torch.nn.Linear(1, 1)
+    >>> most_calls([torch.nn.Sequential(linear(), torch.nn.ReLU(), linear())])
+    2
+  """
+  counts = [0]
+  for root in roots:
+    for container in root.modules():
+      if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        classes = [type(c) for c in container]
+        counts.extend(classes.count(c) for c in set(classes))
+  return max(counts)
 
 
 def traced(fn: Callable, args: list) -> tuple:
@@ -175,12 +227,13 @@ def traced(fn: Callable, args: list) -> tuple:
   return closed, rebuild
 
 
-def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module],
-            min_calls: int = 2) -> tuple | None:
+def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module], min_calls: int = 2,
+            indices: Sequence[Any] = ()) -> tuple | None:
   """`(looped, chains)`: `fn` (JAX code running the torch code of the modules `roots`) traced once
   with their layers marked, as `looped(*args)` whose chains of at least `min_calls` layer calls
-  run as loops; None when no container holds `min_calls` modules of one class (then call `fn`
-  itself: nothing was traced).
+  run as loops (stacking their inputs by `indexed_stack` with `indices`, when there are enough);
+  None when no container holds `min_calls` modules of one class (then call `fn` itself: nothing
+  was traced). Each chain's `arguments` says which of `args` are its stacked inputs.
 
   Example:
     >>> import torch_xla_jaxbridge as jb
@@ -196,5 +249,8 @@ def scanned(fn: Callable, args: list, roots: Iterable[torch.nn.Module],
       return None
     closed, rebuild = traced(fn, args)
   chains = layer_chains.find(closed.jaxpr, min_calls)
+  position = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+  for chain in chains:
+    chain.arguments = [[position.get(a) for a in per_call] for per_call in chain.stacked_per_call]
   leaves = runtime.jax_module().tree.leaves
-  return (lambda *a: rebuild(evaluate(closed, chains, leaves(a)))), chains
+  return (lambda *a: rebuild(evaluate(closed, chains, leaves(a), indices))), chains

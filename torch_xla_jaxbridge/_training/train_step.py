@@ -16,6 +16,7 @@ from torch_xla_jaxbridge import errors, optim
 from torch_xla_jaxbridge._bridge import api, auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
+from torch_xla_jaxbridge._compat import torch_xla_private
 from torch_xla_jaxbridge._core import call, layer_loops, recompute, runtime, sharding
 
 # Layer calls run as one loop from this many in a row (`layer_loop`): on XLA:CPU a loop compiles
@@ -40,6 +41,7 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     self.looped: tuple = ()  # the length of each run of layer calls the last trace looped
     self._groups_key: tuple | None = None  # what `_trained` and `_order` were made for
     self._diff_ids: tuple | None = None
+    self._indices: list | None = None  # `_layer_indices`
     self.outcome = fallbacks.Outcome(f"train_step({self.name})", "step",
                                      lambda: self.bridged.traces)
 
@@ -93,7 +95,8 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
       loss, update, (others, mutated, layout) = bridged.keyed(
           lambda key: call.call_jax(
               self._step, (prepared.spec, diff, prepared.other, key, states,
-                           scalars.to(params[0].device)),
+                           scalars.to(params[0].device),
+                           self._layer_indices(args, kwargs, params[0].device)),
               statics, name=f"{self.name}_train_step"),
           params[0].device)
     finally:
@@ -109,6 +112,18 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
           sharding.shard_like(like, [shard] * len(like))
     optimizer.take(params, update)
     return loss
+
+  def _layer_indices(self, args: tuple, kwargs: dict, device: torch.device) -> list[torch.Tensor]:
+    """Integer scalars 0, 1, ... on the device, one per call of the longest loop the loss's
+    modules can hold, made once: the step's loops index their layers with them
+    (`layer_loops.indexed_stack`), so the index is an input, not a constant."""
+    if self._indices is None:
+      roots = rollback.region_of(self.bridged.fn, args, kwargs)[0]
+      count = layer_loops.most_calls(roots) if self.layer_loop else 0
+      self._indices = [] if sharding.spmd_enabled() else [
+          torch.tensor(i, dtype=torch.int64, device=device) for i in range(count)]
+      torch_xla_private.sync_tensors(self._indices)
+    return self._indices
 
   def _trained(self) -> set[int]:
     """The ids of the optimizer's parameters (kept while its groups hold the same parameters: a
@@ -132,7 +147,7 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     return self._ordered
 
   def _step(self, spec_: spec.Spec, diff: Sequence[Any], other: Sequence[Any], key_data: Any,
-            states: list, scalars: Any, *, positions: tuple[int, ...], **statics: Any) -> tuple:
+            states: list, scalars: Any, indices: list, *, positions: tuple[int, ...], **statics: Any) -> tuple:
     jax = runtime.jax_module()
 
     def loss_of(*d: Any) -> tuple[Any, tuple]:
@@ -146,26 +161,38 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
             f"(e.g. .mean()) and return only it.")
       return floats[0], aux
 
+    chains: list = []
     with recompute.differentiated():
       if self.layer_loop and self._roots is not None and not sharding.spmd_enabled():
-        loss_of = _looped(self, loss_of, diff)
+        loss_of, chains = _looped(self, loss_of, diff, indices)
       if self.bridged.policy is not None:
         loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
       (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
                                               has_aux=True)(*diff)
     params = [diff[i] for i in positions]
     grads = [grads[i] for i in positions]
-    return loss, optim.apply_rule(params, grads, states, scalars, **statics), aux
+    moved = (statics["layout"].moved(_layer_parameters(chains, positions, len(indices)), indices)
+             if statics["layout"] is not None else None)
+    return loss, optim.apply_rule(params, grads, states, scalars, moved=moved, **statics), aux
 
 
-def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any]) -> Callable:
+def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any],
+            indices: Sequence[Any]) -> tuple[Callable, list]:
   """`loss_of` with its runs of at least `LOOP_FROM` (or `layer_loop`) identical layer calls as
-  loops; sets `step.looped`."""
+  loops, and the runs found; sets `step.looped`."""
   least = LOOP_FROM if step.layer_loop is True else step.layer_loop
   assert step._roots is not None  # set by `_run` around the step's trace
-  found = layer_loops.scanned(loss_of, list(diff), step._roots(), least)
+  found = layer_loops.scanned(loss_of, list(diff), step._roots(), least, indices)
   step.looped = tuple(len(c.segments) for c in found[1]) if found else ()
-  return found[0] if found else loss_of
+  return found if found else (loss_of, [])
+
+
+def _layer_parameters(chains: list, positions: Sequence[int], indices: int) -> list[list[int]]:
+  """Per input a loop stacks by traced indices (a loop of at most `indices` calls) that is a
+  trained parameter in every layer: that parameter's index among the step's, layer by layer."""
+  at = {d: i for i, d in enumerate(positions)}
+  return [[at[d] for d in per_call] for chain in chains if len(chain.maps) <= indices
+          for per_call in chain.arguments if all(d in at for d in per_call)]
 
 
 def _nothing_trained(name: str, fn: Callable, args: tuple) -> errors.UsageError:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import MutableMapping
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
+
+from torch_xla_jaxbridge._core import runtime
 
 
 class FlatLayout:
@@ -64,18 +66,54 @@ class FlatLayout:
         pieces[buffer].append(state[name].detach().to(device).reshape(-1))
     return [torch.cat(p) if len(p) > 1 else p[0].clone() for p in pieces]
 
-  def split(self, buffers: list) -> list:
-    """Inside the step (JAX arrays): each parameter's state dict read from the buffers."""
-    return [{name: buffers[b][offset:offset + math.prod(shape)].reshape(shape)
-             for name, b, offset, shape in entries} for entries in self.entries]
+  def split(self, buffers: list, moved: dict | None = None) -> list:
+    """Inside the step (JAX arrays): each parameter's state dict read from the buffers (at the
+    traced offsets of `moved` where it has them)."""
+    lax = runtime.jax_module().lax
+    moved = moved or {}
+    return [{name: (lax.dynamic_slice_in_dim(buffers[b], moved[j][name], math.prod(shape))
+                    if name in moved.get(j, ()) else
+                    buffers[b][offset:offset + math.prod(shape)]).reshape(shape)
+             for name, b, offset, shape in entries} for j, entries in enumerate(self.entries)]
 
-  def join(self, states: list, buffers: list, jnp: Any) -> list:
-    """Inside the step: new buffers holding `states` (each cast to its buffer's dtype)."""
+  def join(self, states: list, buffers: list, jnp: Any, moved: dict | None = None) -> list:
+    """Inside the step: new buffers holding `states` (each cast to its buffer's dtype); with
+    `moved`, each piece written over `buffers` at its offset, traced where `moved` has one."""
+    lax = runtime.jax_module().lax
     pieces: list[list] = [[] for _ in self.names]
-    for state, entries in zip(states, self.entries):
-      for name, b, _, _ in entries:
-        pieces[b].append(state[name].astype(buffers[b].dtype).reshape(-1))
-    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in pieces]
+    new = list(buffers)
+    for j, (state, entries) in enumerate(zip(states, self.entries)):
+      for name, b, offset, _ in entries:
+        piece = state[name].astype(buffers[b].dtype).reshape(-1)
+        if moved:
+          new[b] = lax.dynamic_update_slice_in_dim(new[b], piece,
+                                                   moved.get(j, {}).get(name, offset), 0)
+        pieces[b].append(piece)
+    return new if moved else [jnp.concatenate(p) if len(p) > 1 else p[0] for p in pieces]
+
+  def moved(self, runs: list, indices: Sequence[Any]) -> dict:
+    """Traced offsets for the states of parameters of identical layers, for `split`/`join`:
+    `runs` lists, per looped input of a layer, the index of that parameter in each layer
+    (layer order); where their states lie `stride` apart in a buffer, parameter `runs[r][l]`'s
+    offset is `offset of layer 0 + indices[l] * stride`, with `indices[l]` a traced scalar: the
+    same kernel reads and writes every layer's state (see `layer_loops.indexed_stack`).
+
+    Example:
+      >>> import torch
+      >>> layout = FlatLayout.of([{"m": torch.zeros(n)} for n in (2, 3, 2, 3)])  # two layers
+      >>> layout.moved([[0, 2], [1, 3]], [10, 20])  # offsets 0, 2, 5, 7: layers 5 apart
+      {0: {'m': 50}, 2: {'m': 100}, 1: {'m': 52}, 3: {'m': 102}}
+    """
+    found: dict = {}
+    for run in runs:
+      first = {name: (b, offset, shape) for name, b, offset, shape in self.entries[run[0]]}
+      for name, (b, offset, shape) in first.items():
+        at = [dict((n, (bb, o, s)) for n, bb, o, s in self.entries[j]).get(name) for j in run]
+        stride = at[1][1] - offset if len(run) > 1 and at[1] is not None else 0
+        if stride and all(a == (b, offset + l * stride, shape) for l, a in enumerate(at)):
+          for l, j in enumerate(run):
+            found.setdefault(j, {})[name] = offset + indices[l] * stride
+    return found
 
 
 class FlatBuffers:

@@ -17,13 +17,14 @@ def _sum_of_squares(jnp, g):
 
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
                names: tuple, options: tuple, clip: bool, rows: tuple | None = None,
-               layout: FlatLayout | None = None) -> tuple:
+               layout: FlatLayout | None = None, moved: dict | None = None) -> tuple:
   """New parameters, new states and the gradients' global 2-norm (before clipping; None without
   `clip`: a reduction per parameter, one kernel each in the step's program) after one step of
   `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
   with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
-  With `layout`, `states` (and the new states returned) are its flat buffers.
+  With `layout`, `states` (and the new states returned) are its flat buffers, read and written
+  at the traced offsets of `moved` (`FlatLayout.moved`) where it has them.
 
   Example:
     >>> import jax.numpy as jnp
@@ -37,7 +38,7 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     ([-0.5, -0.5], None)
   """
   jnp = runtime.jax_module().numpy
-  buffers, states = states, layout.split(states) if layout is not None else states
+  buffers, states = states, layout.split(states, moved) if layout is not None else states
   grad_norm = None
   if clip:
     norms = jnp.stack([jnp.sqrt(_sum_of_squares(jnp, g)) for g in grads])  # as clip_grad_norm_:
@@ -54,5 +55,5 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})
   if layout is not None:
-    new_states = layout.join(new_states, buffers, jnp)
+    new_states = layout.join(new_states, buffers, jnp, moved)
   return new_params, new_states, grad_norm

@@ -120,6 +120,7 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     if self._indices is None:
       roots = rollback.region_of(self.bridged.fn, args, kwargs)[0]
       count = layer_loops.most_calls(roots) if self.layer_loop else 0
+      count = count if count >= _least_loop(self.layer_loop) else 0
       self._indices = [] if sharding.spmd_enabled() else [
           torch.tensor(i, dtype=torch.int64, device=device) for i in range(count)]
       torch_xla_private.sync_tensors(self._indices)
@@ -180,11 +181,16 @@ def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any],
             indices: Sequence[Any]) -> tuple[Callable, list]:
   """`loss_of` with its runs of at least `LOOP_FROM` (or `layer_loop`) identical layer calls as
   loops, and the runs found; sets `step.looped`."""
-  least = LOOP_FROM if step.layer_loop is True else step.layer_loop
   assert step._roots is not None  # set by `_run` around the step's trace
-  found = layer_loops.scanned(loss_of, list(diff), step._roots(), least, indices)
+  found = layer_loops.scanned(loss_of, list(diff), step._roots(), _least_loop(step.layer_loop),
+                              indices)
   step.looped = tuple(len(c.segments) for c in found[1]) if found else ()
   return found if found else (loss_of, [])
+
+
+def _least_loop(layer_loop: bool | int) -> int:
+  """The fewest calls in a row that loop (`train_step`'s `layer_loop`)."""
+  return LOOP_FROM if layer_loop is True else int(layer_loop)
 
 
 def _layer_parameters(chains: list, positions: Sequence[int], indices: int) -> list[list[int]]:

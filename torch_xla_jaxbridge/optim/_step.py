@@ -23,8 +23,8 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
   with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
-  With `layout`, `states` (and the new states returned) are its flat buffers, read and written
-  at the traced offsets of `moved` (`FlatLayout.moved`) where it has them.
+  With `layout`, `states` (and the new states returned) are its flat buffers, read at the
+  traced offsets of `moved` (`FlatLayout.moved`) where it has them.
 
   Example:
     >>> import jax.numpy as jnp
@@ -55,5 +55,5 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})
   if layout is not None:
-    new_states = layout.join(new_states, buffers, jnp, moved)
+    new_states = layout.join(new_states, buffers, jnp)
   return new_params, new_states, grad_norm

@@ -178,7 +178,8 @@ def indexed_stack(values: list, indices: Sequence[Any]) -> Any:
     return jax.numpy.stack(values), indices
 
   def backward(indices: list, cotangent: Any) -> tuple:
-    return [jax.lax.dynamic_index_in_dim(cotangent, i, keepdims=False) for i in indices], None
+    return [jax.lax.dynamic_index_in_dim(cotangent, i, keepdims=False, allow_negative_indices=False)
+            for i in indices], None
 
   stack.defvjp(forward, backward)
   return stack(list(values), list(indices))

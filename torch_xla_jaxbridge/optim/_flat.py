@@ -71,7 +71,8 @@ class FlatLayout:
     traced offsets of `moved` where it has them)."""
     lax = runtime.jax_module().lax
     moved = moved or {}
-    return [{name: (lax.dynamic_slice_in_dim(buffers[b], moved[j][name], math.prod(shape))
+    return [{name: (lax.dynamic_slice_in_dim(buffers[b], moved[j][name], math.prod(shape),
+                                             allow_negative_indices=False)
                     if name in moved.get(j, ()) else
                     buffers[b][offset:offset + math.prod(shape)]).reshape(shape)
              for name, b, offset, shape in entries} for j, entries in enumerate(self.entries)]
@@ -100,6 +101,7 @@ class FlatLayout:
       {0: {'m': 50}, 2: {'m': 100}, 1: {'m': 52}, 3: {'m': 102}}
     """
     found: dict = {}
+    scaled: dict = {}  # (layer, stride) -> indices[layer] * stride, traced once
     for run in runs:
       first = {name: (b, offset, shape) for name, b, offset, shape in self.entries[run[0]]}
       for name, (b, offset, shape) in first.items():
@@ -107,7 +109,9 @@ class FlatLayout:
         stride = at[1][1] - offset if len(run) > 1 and at[1] is not None else 0
         if stride and all(a == (b, offset + l * stride, shape) for l, a in enumerate(at)):
           for l, j in enumerate(run):
-            found.setdefault(j, {})[name] = offset + indices[l] * stride
+            if (l, stride) not in scaled:
+              scaled[l, stride] = indices[l] * stride
+            found.setdefault(j, {})[name] = offset + scaled[l, stride]
     return found
 
 

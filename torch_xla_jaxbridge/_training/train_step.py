@@ -118,8 +118,8 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     modules can hold, made once: the step's loops index their layers with them
     (`layer_loops.indexed_stack`), so the index is an input, not a constant."""
     if self._indices is None:
-      roots = rollback.region_of(self.bridged.fn, args, kwargs)[0]
-      count = layer_loops.most_calls(roots) if self.layer_loop else 0
+      count = (layer_loops.most_calls(rollback.region_of(self.bridged.fn, args, kwargs)[0])
+               if self.layer_loop else 0)
       count = count if count >= _least_loop(self.layer_loop) else 0
       self._indices = [] if sharding.spmd_enabled() else [
           torch.tensor(i, dtype=torch.int64, device=device) for i in range(count)]
@@ -148,7 +148,8 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     return self._ordered
 
   def _step(self, spec_: spec.Spec, diff: Sequence[Any], other: Sequence[Any], key_data: Any,
-            states: list, scalars: Any, indices: list, *, positions: tuple[int, ...], **statics: Any) -> tuple:
+            states: list, scalars: Any, indices: list, *, positions: tuple[int, ...],
+            **statics: Any) -> tuple:
     jax = runtime.jax_module()
 
     def loss_of(*d: Any) -> tuple[Any, tuple]:

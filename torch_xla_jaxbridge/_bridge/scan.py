@@ -360,8 +360,7 @@ def _scan(template: torch.nn.Module, policy: Callable | None, count: int, params
     return run_layer(carry, layer_params, layer_buffers, key), None
 
   body = jax.checkpoint(body, policy=policy)
-  if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in jax.tree.leaves(
-      (carry, params, shared_args, shared_kwargs))):  # a backward may follow (caller's flags)
+  if grad_reads.differentiable((carry, params, shared_args, shared_kwargs)):  # a backward follows
     body = recompute.residuals_read_whole(body)
   final, _ = jax.lax.scan(body, unwrap(carry), (unwrap(params), unwrap(buffers), keys),
                           length=count)

@@ -91,9 +91,21 @@ def like(outputs: Any, inputs: Any) -> Any:
     >>> mark(x); marked(like(y, [x]))
     True
   """
-  if torch.is_grad_enabled() and any(map(marked, torch_private.tree_leaves(inputs))):
+  if differentiable(inputs):
     _mark_floats(torch_private.tree_leaves(outputs))
   return outputs
+
+
+def differentiable(inputs: Any) -> bool:
+  """Whether torch's autograd would record what traced code computes from `inputs` (a pytree):
+  grad mode is on and one of its tensors stands for a tensor requiring grad.
+
+  Example:
+    >>> x = torch.ones(2)
+    >>> mark(x); differentiable({"x": x}), differentiable([torch.ones(2)])
+    (True, False)
+  """
+  return torch.is_grad_enabled() and any(map(marked, torch_private.tree_leaves(inputs)))
 
 
 def _mark_floats(values: Any) -> None:

@@ -36,17 +36,12 @@ def marking(roots: Iterable[torch.nn.Module], min_calls: int = 2) -> Iterator[in
   """
   swapped, seen = [], set()
   try:
-    for root in roots:
-      for container in root.modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-          continue
-        children = list(container)
-        classes = [type(c) for c in children]
-        for child in children:
-          if id(child) not in seen and classes.count(type(child)) >= max(min_calls, 2):
-            seen.add(id(child))
-            swapped.append((child, type(child)))
-            child.__class__ = _marked_class(type(child))
+    for children, classes in _layer_lists(roots):
+      for child in children:
+        if id(child) not in seen and classes.count(type(child)) >= max(min_calls, 2):
+          seen.add(id(child))
+          swapped.append((child, type(child)))
+          child.__class__ = _marked_class(type(child))
     yield len(swapped)
   finally:
     for child, cls in reversed(swapped):
@@ -145,7 +140,7 @@ def _run_chain(jaxpr: Any, chain: layer_chains.Chain, env: dict, indices: Sequen
   stack = ((lambda values: indexed_stack(values, indices[:calls])) if len(indices) >= calls
            else jax.numpy.stack)
   xs = [stack([env[a] for a in per_call]) for per_call in chain.stacked_per_call]
-  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs, length=len(chain.maps))
+  carry, ys = jax.lax.scan(body, [env[a] for a in chain.carried], xs, length=calls)
   last = chain.maps[-1]
   for v0, value in zip(chain.carried_out, carry):
     env[last[v0]] = value
@@ -194,13 +189,16 @@ def most_calls(roots: Iterable[torch.nn.Module]) -> int:
     >>> most_calls([torch.nn.Sequential(linear(), torch.nn.ReLU(), linear())])
     2
   """
-  counts = [0]
+  return max((classes.count(c) for _, classes in _layer_lists(roots) for c in classes), default=0)
+
+
+def _layer_lists(roots: Iterable[torch.nn.Module]) -> Iterator[tuple[list, list]]:
+  """`(children, their classes)` of each `ModuleList` and `Sequential` under `roots`."""
   for root in roots:
     for container in root.modules():
       if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-        classes = [type(c) for c in container]
-        counts.extend(classes.count(c) for c in set(classes))
-  return max(counts)
+        children = list(container)
+        yield children, [type(c) for c in children]
 
 
 def traced(fn: Callable, args: list) -> tuple:

@@ -117,12 +117,11 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
     """Integer scalars 0, 1, ... on the device, one per call of the longest loop the loss's
     modules can hold, made once: the step's loops index their layers with them
     (`layer_loops.indexed_stack`), so the index is an input, not a constant."""
-    if self._indices is None:
+    if self._indices is None:  # loops are made only where `_step` makes them
       count = (layer_loops.most_calls(rollback.region_of(self.bridged.fn, args, kwargs)[0])
-               if self.layer_loop else 0)
-      count = count if count >= _least_loop(self.layer_loop) else 0
-      self._indices = [] if sharding.spmd_enabled() else [
-          torch.tensor(i, dtype=torch.int64, device=device) for i in range(count)]
+               if self.layer_loop and not sharding.spmd_enabled() else 0)
+      self._indices = [torch.tensor(i, dtype=torch.int64, device=device) for i in range(count)
+                       if count >= _least_loop(self.layer_loop)]
       torch_xla_private.sync_tensors(self._indices)
     return self._indices
 

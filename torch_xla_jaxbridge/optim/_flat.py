@@ -103,9 +103,9 @@ class FlatLayout:
     found: dict = {}
     scaled: dict = {}  # (layer, stride) -> indices[layer] * stride, traced once
     for run in runs:
-      first = {name: (b, offset, shape) for name, b, offset, shape in self.entries[run[0]]}
-      for name, (b, offset, shape) in first.items():
-        at = [dict((n, (bb, o, s)) for n, bb, o, s in self.entries[j]).get(name) for j in run]
+      layers = [{n: (b, o, s) for n, b, o, s in self.entries[j]} for j in run]
+      for name, (b, offset, shape) in layers[0].items():
+        at = [layer.get(name) for layer in layers]
         stride = at[1][1] - offset if len(run) > 1 and at[1] is not None else 0
         if stride and all(a == (b, offset + l * stride, shape) for l, a in enumerate(at)):
           for l, j in enumerate(run):

@@ -35,7 +35,10 @@ def _roberta(layerdrop=0.0):
   return tf.RobertaForSequenceClassification(tf.RobertaConfig(
       vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-      attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=1))
+      attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=1,
+      # what its first forward sets from the labels otherwise: a value its loss reads, so the
+      # second step would trace again for it (test_host_values.py)
+      problem_type="single_label_classification"))
 
 
 def _t5(layerdrop=0.0):

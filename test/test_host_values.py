@@ -163,5 +163,50 @@ def test_a_changed_attribute_of_a_held_config_traces_again(dev):
   model.config.scale = eager.config.scale = 3.0
   torch.testing.assert_close(model(x.to(dev)).cpu(), eager(x))
   assert jb.cache_info().misses == 2 * misses
+  assert jb.cache_info().retrace_reasons[-1].endswith(": Configured.config.scale 1.0 -> 3.0")
   assert host_values.of_modules(model.modules()).names == [
       "attributes Configured.config.{scale}"]
+
+
+class Defaulted(Configured):
+  """Sets a config default on its first call, as a Hugging Face classifier sets
+  `config.problem_type` from its labels, and reads it."""
+
+  def forward(self, x):
+    if self.config.kind is None:
+      self.config.kind = "doubled"
+    return self.lin(x) * (2.0 if self.config.kind == "doubled" else 1.0)
+
+
+@pytest.mark.parametrize("entry", [*entries.ENTRIES, "train_step"])
+def test_a_config_value_the_first_call_sets_traces_again_once_and_says_so(dev, entry):
+  """The second call starts from the value the first one's trace wrote: a value its program may
+  depend on (a lazy default set before it is read, or a first-call-only branch), so it is
+  traced for it, once, with a reason that names the value."""
+  config = Config()
+  config.kind = None
+  torch.manual_seed(0)
+  eager = Defaulted(copy.deepcopy(config))
+  model = copy.deepcopy(eager).to(dev)
+  x = torch.randn(2, 4)
+  if entry == "train_step":
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    call = jb.train_step(lambda x: model(x).square().mean(),
+                         jb.optim.SGD(model.parameters(), lr=0.1))
+  else:
+    call = entries.bridged(entry, model, "Defaulted")
+  for step in range(3):
+    out = call(x.to(dev))
+    expected = eager(x)
+    if entry == "train_step":
+      expected = expected.square().mean()
+      eager_opt.zero_grad()
+      expected.backward()
+      eager_opt.step()
+    torch.testing.assert_close(out.cpu(), expected.detach(), msg=f"step {step}")
+    if step == 0:
+      misses = jb.cache_info().misses
+  assert model.config.kind == eager.config.kind == "doubled"
+  assert jb.cache_info().misses == 2 * misses  # at the second call only
+  assert jb.cache_info().retrace_reasons[-1].endswith(
+      "Defaulted.config.kind None -> 'doubled'"), jb.cache_info().retrace_reasons

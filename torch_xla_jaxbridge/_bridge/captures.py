@@ -87,6 +87,40 @@ class Lifted:
     return f"Lifted({', '.join(self.names())})"
 
 
+def describe_change(old: tuple[LayoutEntry, ...], new: tuple[LayoutEntry, ...]) -> str | None:
+  """The re-trace reason when a `Lifted`'s layout is `new` instead of `old`: which captured
+  value, module or module setting differs (None: the same layouts).
+
+  Example:
+    >>> describe_change(((((reach.GLOBAL, "n"),), "n", "value", (), (), (int, 2)),),
+    ...                 ((((reach.GLOBAL, "n"),), "n", "value", (), (), (int, 3)),))
+    'n 2 -> 3'
+  """
+  if len(old) != len(new) or any(a[:3] != b[:3] for a, b in zip(old, new)):
+    return (f"captured {', '.join(e[1] for e in old) or 'nothing'} -> "
+            f"{', '.join(e[1] for e in new) or 'nothing'}")
+  changes = []
+  for (_, name, kind, params, buffers, extra), (*_, new_params, new_buffers, new_extra) in zip(
+      old, new):
+    if (params, buffers) != (new_params, new_buffers):
+      changes.append(f"{name}'s parameters or buffers (their names)")
+    if extra == new_extra:
+      continue
+    if kind != "module":
+      changes.append(f"{name} {extra[1]!r} -> {new_extra[1]!r}" if extra and new_extra else
+                     f"{name} changed")
+      continue
+    (token, training, settings), (new_token, new_training, new_settings) = extra, new_extra
+    if token != new_token:
+      changes.append(f"{name} is another module")
+    if training != new_training:
+      changes.append(f"{name}'s training modes")
+    if settings != new_settings:
+      described = new_settings.describe_change(settings)
+      changes.append(f"{name}: {described}" if described else f"{name}'s settings")
+  return "; ".join(changes) or None
+
+
 @threads.once
 def _register_pytree() -> None:
   jax = runtime.jax_module()

@@ -196,11 +196,21 @@ class Spec:
     marks = "".join("g" if v is DIFF else "-" for v in self.leaves if v is DIFF or v is OTHER)
     return f"<tensors needing grad: {marks}{self.objects}>"
 
-  # a re-trace reason when only the context changed
   def describe_change(self, old: object) -> str | None:
-    if isinstance(old, Spec) and old._key[:3] == self._key[:3]:
-      return tracing.describe_key_change(old.context, self.context)
-    return None
+    """The re-trace reason when this spec differs from `old`: the part of the key that does
+    (the two print alike: a spec shows only which tensors need gradients)."""
+    if not isinstance(old, Spec):
+      return None
+    changes = []
+    if old.treedef != self.treedef:
+      changes.append(_tree_change(old.treedef, self.treedef) or "the arguments' structure")
+    if old._key[1] != self._key[1]:
+      changes.append(_statics_change(old.leaves, self.leaves) or "a static argument")
+    if old.requiring != self.requiring:
+      changes.append("which tensors not trained require grad")
+    if old.context != self.context:
+      changes.append(tracing.describe_key_change(old.context, self.context))
+    return "; ".join(changes) or None
 
   def autograd(self, diff: Sequence[Any], other: Sequence[Any]) -> grad_reads.Caller:
     """What the trace of a call with `diff` and `other` (arrays) reads of autograd: the call's
@@ -217,6 +227,40 @@ class Spec:
       full.append(next(diff_it) if v is DIFF else next(other_it) if v is OTHER else
                   full[v] if type(v) is _Same else v)
     return self.treedef.unflatten(full)
+
+
+def _tree_change(old: PyTreeDef, new: PyTreeDef) -> str | None:
+  """What differs first between two argument structures: a captured value's or module's
+  (`captures.describe_change`), or a node's type or keys; None if nothing says more."""
+  before, after = old.node_data(), new.node_data()
+  if before != after:
+    if before is not None and after is not None and before[0] is after[0] is captures.Lifted:
+      return captures.describe_change(before[1], after[1])
+    shown = [f"{d[0].__name__} {d[1]!r:.80}" if d is not None else "a leaf"
+             for d in (before, after)]
+    return f"an argument node {shown[0]} -> {shown[1]}"
+  for a, b in zip(old.children(), new.children()):
+    if a != b:
+      return _tree_change(a, b)
+  return None
+
+
+def _statics_change(old: tuple, new: tuple) -> str | None:
+  """The static leaves (not tensors) that differ between two specs' leaves."""
+  changes = []
+  for before, after in zip(old, new):
+    if before is DIFF or before is OTHER or before is after:
+      continue
+    try:  # as `Spec.split` keys them
+      same = type(before) is type(after) and (
+          before == after if type(before) in _ATOMS else
+          plain.static_key(before) == plain.static_key(after))
+    except plain.NotPlain:  # an object keyed otherwise (`stateful.box`)
+      same = False
+    if not same:
+      described = getattr(after, "describe_change", lambda _: None)(before)
+      changes.append(described or f"{before!r:.80} -> {after!r:.80}")
+  return "; ".join(changes) or None
 
 
 @threads.once

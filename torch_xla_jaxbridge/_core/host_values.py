@@ -42,14 +42,42 @@ class HostValues:
     >>> found.names, found.read() == (os.environ.get("HOME_SCALE"),)
     (['environment variable HOME_SCALE'], True)
   """
-  __slots__ = ("readers", "names")
+  __slots__ = ("readers", "names", "fields")
 
-  def __init__(self, readers: list[Callable[[], Any]], names: list[str]) -> None:
+  def __init__(self, readers: list[Callable[[], Any]], names: list[str],
+               fields: list[tuple[str, ...] | None] | None = None) -> None:
     self.readers, self.names = tuple(readers), names
+    # per reader of several attributes of one object (a config): each value's name
+    self.fields = fields or [None] * len(names)
 
   def read(self) -> tuple:
     """The values now: equal tuples mean a trace's constants still hold."""
     return tuple([reader() for reader in self.readers])
+
+  def describe(self, old: tuple, new: tuple) -> list[str]:
+    """`"name old -> new"` for each value that differs between two `read()`s (for re-trace
+    reasons): an attribute of a config by its own name.
+
+    Example:
+      >>> found = HostValues([lambda: 1], ["global model.SCALE"])
+      >>> found.describe((1.0,), (3.0,))
+      ['global model.SCALE 1.0 -> 3.0']
+    """
+    changes = []
+    for name, fields, before, after in zip(self.names, self.fields, old, new):
+      if before == after:
+        continue
+      if (fields and len(fields) > 1 and isinstance(before, tuple) and isinstance(after, tuple)
+          and len(before) == len(after) == len(fields)):
+        changes += [f"{field} {_shown(b)} -> {_shown(a)}"
+                    for field, b, a in zip(fields, before, after) if b != a]
+      else:
+        changes.append(f"{fields[0] if fields else name} {_shown(before)} -> {_shown(after)}")
+    return changes
+
+
+def _shown(value: object) -> str:
+  return "(missing)" if value is _MISSING else repr(value)
 
 
 class _Finder:
@@ -123,12 +151,15 @@ class _Finder:
     self.readers.setdefault(place, (reader, name))
 
   def found(self) -> HostValues:
+    fields = {}
     for held, where, names in self.held.values():  # one `itemgetter` per object
       read = sorted(names)
       self.add((id(held), ()), _attributes_reader(held, read),
                f"attributes {where}.{{{', '.join(read)}}}")
+      fields[(id(held), ())] = tuple(f"{where}.{name}" for name in read)
     readers = list(self.readers.values())
-    return HostValues([r for r, _ in readers], [n for _, n in readers])
+    return HostValues([r for r, _ in readers], [n for _, n in readers],
+                      [fields.get(place) for place in self.readers])
 
 
 def of_functions(functions: Iterable[object]) -> HostValues:

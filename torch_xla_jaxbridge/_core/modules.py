@@ -258,7 +258,7 @@ class StateWalk:
     if (values != self.last_values or host != self.last_host
         or reads is not self.last_settings.reads):
       self.last_values, self.last_host = values, host
-      self.last_settings = Settings(tuple(values), reads, self.layout, host)
+      self.last_settings = Settings(tuple(values), reads, self.layout, host, self.host)
     return self.last_settings
 
   def state(self) -> ModuleState:

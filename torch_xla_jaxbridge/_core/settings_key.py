@@ -1,7 +1,7 @@
 """A module's plain attribute values (numbers, strings) as a trace's cache key
 (`modules.StateWalk.settings`): all of them, or only those a shared forward's traces read.
 """
-from typing import Iterable
+from typing import Any, Iterable
 
 # (submodule path, names of its plain attributes) of each submodule holding some: where each
 # value is in a `Settings`. Interned in LAYOUTS, so the settings of one structure share one.
@@ -52,12 +52,13 @@ class Settings:
     >>> Settings(((2, 3.0),)) == Settings(((2, 3.0),)), Settings(((2, 3.0),)) == Settings(((2,),))
     (True, False)
   """
-  __slots__ = ("values", "hash", "types", "reads", "layout", "host")
+  __slots__ = ("values", "hash", "types", "reads", "layout", "host", "host_values")
 
   def __init__(self, values: tuple, reads: ReadSettings | None = None,
-               layout: Layout = (), host: tuple = ()) -> None:
+               layout: Layout = (), host: tuple = (), host_values: Any = None) -> None:
     self.values = values
     self.host = host  # the plain values read from outside the module (`host_values`): all count
+    self.host_values = host_values  # their `host_values.HostValues`, naming them in reasons
     self.types = tuple(tuple(map(type, v)) if v is not None else None for v in values)
     self.reads = reads
     self.layout = layout
@@ -87,3 +88,36 @@ class Settings:
 
   def __hash__(self) -> int:
     return self.hash
+
+  def describe_change(self, old: object) -> str | None:
+    """The re-trace reason when these settings differ from `old`: each value that changed, by
+    its attribute path (`classifier.dense.p`) or where it is read (`Model.config.problem_type`).
+
+    Example:
+      >>> layout = (("fc", ("scale",)),)
+      >>> Settings(((3.0, True),), layout=layout).describe_change(
+      ...     Settings(((2.0, True),), layout=layout))
+      'fc.scale 2.0 -> 3.0'
+    """
+    if not isinstance(old, Settings):
+      return None
+    changes = []
+    if old.layout == self.layout and len(old.values) == len(self.values):
+      read = set(self.reads.positions(self.layout)) if self.reads is not None else None
+      for i, ((prefix, names), before, after) in enumerate(zip(self.layout, old.values,
+                                                                self.values)):
+        paths = [f"{prefix}.{name}" if prefix else name for name in (*names, "training")]
+        if before is None or after is None:
+          if before is not after:
+            changes.append(f"{prefix or 'the module'}'s attributes {before} -> {after}")
+          continue
+        changes += [f"{path} {b!r} -> {a!r}"
+                    for j, (path, b, a) in enumerate(zip(paths, before, after))
+                    if (read is None or (i, j) in read) and (b != a or type(b) is not type(a))]
+    elif old.values != self.values:
+      changes.append("its submodules' plain attributes")
+    if old.host != self.host:
+      named = (self.host_values.describe(old.host, self.host)
+               if self.host_values is not None and len(old.host) == len(self.host) else [])
+      changes += named or [f"values read from outside the module {old.host!r} -> {self.host!r}"]
+    return "; ".join(changes) or None

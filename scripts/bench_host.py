@@ -4,10 +4,9 @@ For each config (the recipe's llama-tiny and llama-mid, the latter also with 32 
 (the recipe's default one-node step, whose layers are stacked (`remat.stack_layers=auto`), the
 same step with a parameter per layer (`remat.stack_layers=false`), plain LazyTensor + torch
 AdamW), each run is its own process and the modes are alternated over `--rounds` rounds. A
-process builds the recipe's model,
-optimizer and step with the recipe's own functions, then times `--steps` steps after warm-up
-(none of them compiling), waiting for the device before each so the measured host work does not
-share the cores with XLA's execution:
+process builds the recipe's model, optimizer and step with the recipe's own functions, then times
+`--steps` steps after warm-up (none of them compiling), waiting for the device before each so the
+measured host work does not share the cores with XLA's execution:
 
 - `step_cpu_ms` / `sync_cpu_ms`: process CPU time of the step body (tracing: forward, backward,
   optimizer; LazyTensor's backward runs on autograd's thread) and the calling thread's CPU time

@@ -1,12 +1,12 @@
 """Host time of one training step, split into its parts, against a native `jax.jit` dispatch.
 
 For each config (the recipe's llama-tiny and llama-mid, the latter also with 32 layers) and mode
-(the recipe's default one-node step, the same with the layers stacked (`remat.stack_layers`), plain
-LazyTensor + torch AdamW), each run is its own process
-and the modes are alternated over `--rounds` rounds. A process builds the recipe's model,
-optimizer and step with the recipe's own functions, then times `--steps` steps after warm-up
-(none of them compiling), waiting for the device before each so the measured host work does not
-share the cores with XLA's execution:
+(the recipe's default one-node step, whose layers are stacked (`remat.stack_layers=auto`), the
+same step with a parameter per layer (`remat.stack_layers=false`), plain LazyTensor + torch
+AdamW), each run is its own process and the modes are alternated over `--rounds` rounds. A
+process builds the recipe's model, optimizer and step with the recipe's own functions, then times
+`--steps` steps after warm-up (none of them compiling), waiting for the device before each so the
+measured host work does not share the cores with XLA's execution:
 
 - `step_cpu_ms` / `sync_cpu_ms`: process CPU time of the step body (tracing: forward, backward,
   optimizer; LazyTensor's backward runs on autograd's thread) and the calling thread's CPU time
@@ -41,7 +41,8 @@ import harness
 
 CONFIGS = {"tiny": ["model=llama-tiny"], "mid": ["model=llama-mid", "train.seq=256"],
            "mid32": ["model=llama-mid", "train.seq=256", "model.layers=32"]}
-MODES = {"default step": [], "default step, StackedLayers": ["remat.stack_layers=true"],
+MODES = {"default step (StackedLayers)": [],
+         "step, a parameter per layer": ["remat.stack_layers=false"],
          "LazyTensor + torch AdamW": ["remat.bridge=none", "train.optimizer=torch-adamw"]}
 # part -> substrings of "file:function" that belong to it (first match wins)
 PARTS = {

@@ -2,8 +2,9 @@
 
 Each (model, mode) run trains the recipe (`torch_xla_jaxbridge.recipes.train`) in its own
 process; the modes are alternated over `--rounds` rounds (these machines move +-30% between
-runs). From each run's `metrics.jsonl` (steps after `--warmup`): median step ms, median trace
-(host) ms, tokens/s, MFU when the recipe logs it; from the process: peak resident memory
+runs). From each run's `metrics.jsonl`: when the first step after `--warmup` began (every
+compile done), and over the later steps median step ms, median trace (host) ms, tokens/s, MFU
+when the recipe logs it; from the process: peak resident memory
 (`ru_maxrss`, host memory is device memory on XLA:CPU). Prints a table of medians with [min-max]
 over rounds and ratios against LazyTensor's tokens/s of the same round (with the recipe's
 optimizer, and with torch's AdamW: plain torch_xla); writes JSON.
@@ -47,6 +48,8 @@ def child(model: str, mode: str, steps: int, warmup: int) -> dict:
   result = {"model": model, "mode": mode, "step_ms": median("step_ms"),
             "trace_ms": median("trace_ms"), "tokens_per_s": median("tokens_per_s"),
             "last_loss": rows[-1].get("loss"),
+            # when the first timed step began: every compile and the first steps' traces done
+            "warmup_s": timed[0]["began_s"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
   if any(r.get("mfu") is not None for r in timed):
     result["mfu"] = median("mfu")
@@ -71,8 +74,8 @@ def main() -> None:
         run[key] = run["tokens_per_s"] / base["tokens_per_s"]
     for run in runs:
       run["trace_share"] = run["trace_ms"] / run["step_ms"]
-  keys = ["step_ms", "trace_ms", "trace_share", "tokens_per_s", *RATIOS, "mfu", "peak_rss_mb",
-          "last_loss"]
+  keys = ["warmup_s", "step_ms", "trace_ms", "trace_share", "tokens_per_s", *RATIOS, "mfu",
+          "peak_rss_mb", "last_loss"]
   table = [{"model": model, "mode": mode,
             **harness.spreads(runs, [k for k in keys if all(k in r for r in runs)])}
            for (model, mode), runs in results.items()]

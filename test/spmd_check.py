@@ -221,10 +221,9 @@ def main(out_dir):
       "scan": lambda: check_scan(mesh, dev),
       "constraints": lambda: check_constraints(dev),
       "bad_input": lambda: check_bad_input(dev),
-      "recipe": lambda: check_recipe(out_dir),
+      "recipe": lambda: check_recipe(out_dir, "remat.stack_layers=false"),  # per layer
       "recipe_scan": lambda: check_recipe(pathlib.Path(out_dir) / "scan", "remat.scan_layers=true"),
-      "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked",
-                                             "remat.stack_layers=true"),
+      "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked"),  # default
       "recipe_layers": lambda: check_recipe(pathlib.Path(out_dir) / "layers",
                                             "remat.bridge=layers"),
       "recipe_resharded": lambda: check_recipe_resharded(out_dir),

@@ -54,8 +54,8 @@ def main(mode, steps, out, overrides):
   if mode == "eager":
     build = llama.build
 
-    def eager_build(model_cfg, seed, place):
-      model = build(model_cfg, seed).to(device)
+    def eager_build(model_cfg, seed, place, stack=None):
+      model = build(model_cfg, seed, stack=stack).to(device)
       if mesh is not None:
         sharding.shard_model(model, mesh)
       return model

@@ -65,8 +65,8 @@ def test_scan_and_stack_together_is_a_config_error():
 
 
 def test_stacked_layers_keep_the_checkpoint_keys_of_the_layer_list():
-  plain = train.prepare(config.load(), torch_xla.device())
-  stacked = train.prepare(config.load(["remat.stack_layers=true"]), torch_xla.device())
+  plain = train.prepare(config.load(["remat.stack_layers=false"]), torch_xla.device())
+  stacked = train.prepare(config.load(), torch_xla.device())  # the default
   assert isinstance(stacked.layers, train.jb.StackedLayers)
   stacked_state, plain_state = stacked.state_dict(), plain.state_dict()
   assert list(stacked_state) == list(plain_state)
@@ -101,8 +101,10 @@ def lazy_tensor_losses(recipe_run):
 
 # One run per way of running the step in `make test` (about 25 s each on 2 cores); the other
 # presets and combinations under `make slow`.
-FAST_RECIPE_RUNS = [(), ("remat.policy=full",), ("remat.scan_layers=true",),
-                    ("remat.stack_layers=true",), ("remat.bridge=layers",)]
+# The default stacks the layers (remat.stack_layers=auto); `false` keeps a parameter per layer.
+UNROLLED = "remat.stack_layers=false"
+FAST_RECIPE_RUNS = [(), ("remat.policy=full",), ("remat.scan_layers=true",), (UNROLLED,),
+                    ("remat.bridge=layers", UNROLLED)]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -110,9 +112,9 @@ FAST_RECIPE_RUNS = [(), ("remat.policy=full",), ("remat.scan_layers=true",),
         (), *[(f"remat.policy={name}",) for name in jb.remat.presets()],
         ("remat.save=[mlpwi]", "remat.offload=[query_proj]"),
         ("remat.scan_layers=true",), ("remat.scan_layers=true", "remat.policy=dots_no_batch"),
-        ("remat.stack_layers=true",), ("remat.stack_layers=true", "remat.policy=full"),
-        ("remat.bridge=layers",), ("remat.bridge=layers", "remat.stack_layers=true")]
-], ids=lambda o: " ".join(o) or "bridged step")
+        (UNROLLED,), (UNROLLED, "remat.policy=full"),
+        ("remat.bridge=layers",), ("remat.bridge=layers", UNROLLED)]
+], ids=lambda o: " ".join(o) or "bridged step, stacked")
 def test_losses_match_plain_lazy_tensor(recipe_run, lazy_tensor_losses, overrides):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # offload on CPU warns; test_remat checks that warning

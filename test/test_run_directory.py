@@ -72,7 +72,7 @@ def saved_run(out, *overrides):
   cfg = config.load([f"out={out}", "train.steps=4", *overrides])
   model = torch.nn.Linear(2, 2)
   checkpoint.save(out / "checkpoints", 2, model, torch.optim.AdamW(model.parameters()),
-                  run_config=cfg)
+                  run_config=config.resolved(cfg))  # as `train.train` saves it
   (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
   (out / "summary.json").write_text('{"last_loss": 4.0}')
   return out / "checkpoints" / "step_000002"
@@ -89,7 +89,7 @@ def saved_run(out, *overrides):
     ((), ["model=mixtral-tiny"], "model.experts saved 0, now 4; model.hidden saved 192, now 96; "
                                  "model.layers saved 4, now 2"),
     ((), ["train.optimizer=lion"], "train.optimizer saved adamw, now lion"),
-    (("remat.stack_layers=true",), [], "remat.stack_layers saved true, now false"),
+    ((), ["remat.stack_layers=false"], "remat.stack_layers saved true, now false"),
 ], ids=["layers", "dim layers", "dtype heads kv_heads hidden vocab", "mixtral", "optimizer",
         "stack_layers"])
 def test_resume_with_another_model_is_one_error_naming_each_key(tmp_path, monkeypatch, capsys,
@@ -105,6 +105,23 @@ def test_resume_with_another_model_is_one_error_naming_each_key(tmp_path, monkey
       f"with the saved values ({again}), or train this configuration in another out= "
       f"directory.\n")
   assert snapshot(tmp_path) == before
+
+
+def test_a_run_resumes_in_its_own_layer_layout_under_the_default(tmp_path):
+  tiny = [f"out={tmp_path}", "train.checkpoint_every=2", "model.layers=2", "train.batch=2",
+          "train.seq=16", "train.log_every=1"]
+  assert config.load(tiny)["remat"]["stack_layers"] == "auto"
+  train.train(config.load([*tiny, "train.steps=2", "remat.stack_layers=false"]), log=print)
+  lines = []
+  losses = train.train(config.load([*tiny, "train.steps=4", "resume=true"]), log=lines.append)
+  assert len(losses) == 2 and f"resumed from {tmp_path / 'checkpoints' / 'step_000002'} at " \
+                              f"step 2" in lines
+  newest = checkpoint.run_config(checkpoint.latest(tmp_path / "checkpoints"))
+  assert newest["remat"]["stack_layers"] is False  # unrolled, as it was saved
+  fresh = tmp_path / "fresh"
+  train.train(config.load([*tiny, f"out={fresh}", "train.steps=2"]), log=print)
+  assert checkpoint.run_config(fresh / "checkpoints" / "step_000002")["remat"][
+      "stack_layers"] is True  # the default, decided
 
 
 def test_what_does_not_change_the_state_resumes():

@@ -39,7 +39,8 @@ EIGHT_B = ("model=llama-3-8b", "model.layers=2", "model.dtype=bfloat16", "mesh.f
 def test_each_value_depends_only_on_seed_and_module_name():
   model_cfg = config.load(["model=mixtral-tiny"])["model"]
   seen = []
-  model = llama.build(model_cfg, seed=3, place=lambda name, value: seen.append(name) or value)
+  model = llama.build(model_cfg, seed=3,
+                      place=lambda name, value, stacked: seen.append(name) or value)
   assert seen == [name for name, _ in model.named_parameters()]
   torch.manual_seed(llama.module_seed(3, "layers.1.mlp.experts.2.up_proj"))
   alone = torch.nn.Linear(model_cfg["dim"], model_cfg["hidden"], bias=False)  # torch's init
@@ -242,6 +243,21 @@ def test_sharded_startup_is_the_eager_model(mid_startups):
   assert all(spec.startswith("{devices=[") for spec in specs)
   assert any("0,2,1,3" in spec for spec in specs)  # a ("tensor", "fsdp") tiling, made by shards
   assert sharded["losses"] == pytest.approx(eager["losses"], rel=1e-6)
+
+
+def test_stacked_startup_holds_the_layers_once(mid_startups, tmp_path):
+  """The default stacks the layers (remat.stack_layers=auto): each stack is made on the host and
+  placed as its shards, so start-up never holds the layers per layer and stacked at once."""
+  stacked = mid_startups[0]
+  per_layer = facts(start(tmp_path, "sharded", 0, *MID, "remat.stack_layers=false"))
+  assert any(name.startswith("layers.layer.") for name in stacked["shardings"])
+  assert not any(name.startswith("layers.layer.") for name in per_layer["shardings"])
+  layer_bytes = 4 * 4 * (2 * 1024 + 2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 3584)
+  # measured: 56-73 MB more, about the largest module's stack (4 x 1024 x 3584 floats: 59 MB);
+  # the layers stacked after a per-layer build held them twice (+251 MB)
+  assert stacked["peak_increase"] - per_layer["peak_increase"] < layer_bytes / 2
+  assert stacked["retained"] < 1.1 * per_layer["retained"]
+  assert stacked["losses"] == pytest.approx(per_layer["losses"], rel=1e-6)
 
 
 @pytest.mark.slow

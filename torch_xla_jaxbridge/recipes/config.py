@@ -97,11 +97,14 @@ def _set(cfg, key, value):
 
 
 _NULLABLE = ("train.max_grad_norm",)  # keys with a non-null default that also take null
+AUTO = "auto"  # remat.stack_layers: decided from the other keys (and a resumed checkpoint's)
 
 
 def _typed(key, default, value):
   """`value` checked against the type of the default it replaces."""
   if default is None or (value is None and key in _NULLABLE):
+    return value
+  if default == AUTO and (isinstance(value, bool) or value == AUTO):
     return value
   if isinstance(default, bool) or isinstance(value, bool):
     if isinstance(default, bool) and isinstance(value, bool):
@@ -149,10 +152,10 @@ def check(cfg):
     raise ConfigError(f"remat.save and remat.offload both name {both}; keep each in one.")
   wants_remat = remat["policy"] is not None or remat["save"] or remat["offload"]
   if remat["bridge"] == "none" and (wants_remat or remat["scan_layers"] or
-                                    remat["stack_layers"]):
+                                    remat["stack_layers"] is True):
     raise ConfigError("remat.bridge=none runs plain LazyTensor layers: remat.policy, save, "
                       "offload, scan_layers and stack_layers need remat.bridge=step or layers.")
-  if remat["scan_layers"] and remat["stack_layers"]:
+  if remat["scan_layers"] and remat["stack_layers"] is True:
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")
   for key in ("batch", "seq", "steps", "log_every"):
@@ -164,6 +167,38 @@ def check(cfg):
   _check_data(train, model)
   _check_mesh(mesh, train)
   _check_model(model)
+
+
+def stacked(cfg):
+  """Whether the decoder stack is a `jb.StackedLayers`: `remat.stack_layers`, where `auto` is
+  true for bridged layers (`remat.bridge` step or layers) that are not `remat.scan_layers`.
+
+  Example:
+    >>> [stacked(load(o)) for o in ([], ["remat.bridge=none"], ["remat.scan_layers=true"])]
+    [True, False, False]
+  """
+  remat = cfg["remat"]
+  if remat["stack_layers"] != AUTO:
+    return remat["stack_layers"]
+  return remat["bridge"] != "none" and not remat["scan_layers"]
+
+
+def resolved(cfg, saved=None):
+  """`cfg` with `remat.stack_layers=auto` decided: the checkpoint's setting when resuming from
+  one saved with config `saved` (so a run continues in its own layout), else `stacked(cfg)`.
+
+  Example:
+    >>> resolved(load())["remat"]["stack_layers"]
+    True
+    >>> resolved(load(), {"remat": {"stack_layers": False}})["remat"]["stack_layers"]
+    False
+  """
+  remat = cfg["remat"]
+  if remat["stack_layers"] != AUTO:
+    return cfg
+  before = (saved or {}).get("remat", {}).get("stack_layers")
+  decided = stacked(cfg) and before is not False
+  return {**cfg, "remat": {**remat, "stack_layers": decided}}
 
 
 def _check_model(model):

@@ -171,7 +171,7 @@ class Llama(nn.Module):
 DTYPES = ("float32", "bfloat16")
 
 
-def build(model_cfg, seed=0, place=None):
+def build(model_cfg, seed=0, place=None, stack=None):
   """A Llama (or, with experts, Mixtral-style) model from a recipe's `model` config section, its
   parameters in `model_cfg["dtype"]`.
 
@@ -179,8 +179,12 @@ def build(model_cfg, seed=0, place=None):
   time: torch's default init for that module (`reset_parameters`), drawn on the CPU directly in
   the dtype (as torch initialises a module built with `dtype=`) from a generator seeded by `seed`
   and the module's name, so a value does not depend on the order or the place parameters are made
-  in; then handed to `place(name, value)`, whose result becomes the parameter (default: the CPU
-  tensor). Beyond what `place` keeps, the host holds one module's parameters at a time.
+  in; then handed to `place(name, value, stacked)`, whose result becomes the parameter (default:
+  the CPU tensor). Beyond what `place` keeps, the host holds one module's parameters at a time.
+
+  `stack`, given, replaces the (still empty) layer list first, e.g. `jb.StackedLayers`: each of
+  its stacked parameters is then made whole on the host, every layer's module initialised as
+  above into its slice, and placed with `stacked=True`, so the layers are never held twice.
 
   Example:
     >>> from torch_xla_jaxbridge.recipes import config
@@ -189,6 +193,9 @@ def build(model_cfg, seed=0, place=None):
     (torch.float32, 'cpu')
     >>> build(config.load(["model.dtype=bfloat16"])["model"], seed=0).embed.weight.dtype
     torch.bfloat16
+    >>> stacked = build(config.load()["model"], seed=0, stack=jb.StackedLayers)
+    >>> stacked.layers.layer.mlp.up_proj.weight.shape  # 4 layers
+    torch.Size([4, 192, 64])
   """
   with torch.device("meta"):
     model = Llama(vocab=model_cfg["vocab"], dim=model_cfg["dim"], layers=model_cfg["layers"],
@@ -196,19 +203,50 @@ def build(model_cfg, seed=0, place=None):
                   hidden=model_cfg["hidden"], experts=model_cfg["experts"],
                   top_k=model_cfg["experts_per_token"],
                   attention=model_cfg["attention"]).to(getattr(torch, model_cfg["dtype"]))
+  layers = model.layers
+  if stack is not None:
+    model.layers = stack(layers)
   for prefix, module in model.named_modules():
     names = [name for name, _ in module.named_parameters(recurse=False)]
     if not names:
       continue
-    module.to_empty(device="cpu", recurse=False)
-    with torch.random.fork_rng(devices=[]):
-      torch.manual_seed(module_seed(seed, prefix))
-      module.reset_parameters()
-    if place is not None:
-      for name in names:
-        value = getattr(module, name).detach()
-        setattr(module, name, nn.Parameter(place(f"{prefix}.{name}" if prefix else name, value)))
+    in_stack = stack is not None and prefix.startswith("layers.")  # layers.<its module>[.<path>]
+    if in_stack:
+      values = _stacked_values(layers, prefix.split(".", 2)[2] if prefix.count(".") > 1 else "",
+                               seed)
+    else:
+      module.to_empty(device="cpu", recurse=False)
+      _initialise(module, seed, prefix)
+      values = {name: getattr(module, name).detach() for name in names}
+    for name, value in values.items():
+      if place is not None:
+        value = place(f"{prefix}.{name}" if prefix else name, value, in_stack)
+      setattr(module, name, nn.Parameter(value))
   return model
+
+
+def _initialise(module, seed, name):
+  """`module`'s own parameters (on the CPU) drawn by its `reset_parameters` from seed `name`."""
+  with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(module_seed(seed, name))
+    module.reset_parameters()
+
+
+def _stacked_values(layers, path, seed):
+  """The parameters of module `path` in every layer of the meta list `layers`, each stacked over
+  the layers (as `torch.stack` of the unstacked build's values), made on the CPU a layer at a
+  time."""
+  stacks = {}
+  for i, layer in enumerate(layers):
+    module = layer.get_submodule(path)
+    module.to_empty(device="cpu", recurse=False)
+    _initialise(module, seed, f"layers.{i}.{path}" if path else f"layers.{i}")
+    for name, value in module.named_parameters(recurse=False):
+      if name not in stacks:
+        stacks[name] = torch.empty((len(layers), *value.shape), dtype=value.dtype)
+      stacks[name][i] = value.detach()
+    module.to_empty(device="meta", recurse=False)  # the layer list holds no values
+  return stacks
 
 
 def module_seed(seed, name):

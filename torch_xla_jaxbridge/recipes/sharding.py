@@ -86,24 +86,37 @@ def place(value, mesh, spec):
 
 
 def placer(mesh, device):
-  """`place(name, value)` for `llama.build`: each initial value on `device`, split over `mesh` by
-  its `param_spec` (with no mesh: moved whole).
+  """`place(name, value, stacked)` for `llama.build`: each initial value on `device`, split over
+  `mesh` by its `spec` (with no mesh: moved whole).
 
   Example:
     >>> import torch
-    >>> placer(None, "xla")("norm.weight", torch.ones(4)).device.type
+    >>> placer(None, "xla")("norm.weight", torch.ones(4), False).device.type
     'xla'
   """
   if mesh is None:
-    return lambda name, value: value.to(device)
+    return lambda name, value, stacked: value.to(device)
   fsdp, tensor = mesh.mesh_shape
-  return lambda name, value: place(value, mesh, param_spec(name, tuple(value.shape), fsdp, tensor))
+  return lambda name, value, stacked: place(value, mesh, spec(name, tuple(value.shape), stacked,
+                                                              fsdp, tensor))
+
+
+def spec(name, shape, stacked, fsdp, tensor):
+  """`param_spec`, for the stack of a `jb.StackedLayers` (`stacked`) that of one layer's
+  parameter with the layer axis replicated (each step of the scan reads one layer).
+
+  Example:
+    >>> spec("layers.layer.attn.q_proj.weight", (4, 64, 64), True, 4, 1)
+    (None, 'fsdp', None)
+  """
+  if stacked:
+    return (None,) + param_spec(name, shape[1:], fsdp, tensor)
+  return param_spec(name, shape, fsdp, tensor)
 
 
 def shard_model(model, mesh):
-  """Marks every parameter of `model` (on the XLA device) with its `param_spec`; returns the
-  specs by name. The stacks of a `jb.StackedLayers` are sharded as one layer's parameter, their
-  layer axis replicated (each step of the scan reads one layer).
+  """Marks every parameter of `model` (on the XLA device) with its `spec`; returns the specs by
+  name.
 
   Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
     >>> specs = shard_model(model, make_mesh(4, 1))  # doctest: +SKIP
@@ -115,10 +128,8 @@ def shard_model(model, mesh):
              if isinstance(sub, jb.StackedLayers)]
   specs = {}
   for name, param in model.named_parameters():
-    if any(name.startswith(prefix) for prefix in stacked):
-      specs[name] = (None,) + param_spec(name, tuple(param.shape[1:]), fsdp, tensor)
-    else:
-      specs[name] = param_spec(name, tuple(param.shape), fsdp, tensor)
+    specs[name] = spec(name, tuple(param.shape), any(name.startswith(p) for p in stacked), fsdp,
+                       tensor)
     xs.mark_sharding(param, mesh, specs[name])
   return specs
 

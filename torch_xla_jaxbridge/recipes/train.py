@@ -42,19 +42,16 @@ def prepare(cfg, device):
     >>> model = prepare(config.load(), torch_xla.device())
   """
   mesh = sharding.make_mesh(*sharding.mesh_shape(cfg))
-  model = llama.build(cfg["model"], seed=cfg["train"]["seed"],
-                      place=sharding.placer(mesh, device))
   remat = config.remat_setting(cfg)
-  if cfg["remat"]["stack_layers"]:
-    model.layers = jb.StackedLayers(model.layers, remat=remat)
-    if mesh is not None:  # the stacks are new parameters; the others keep their sharding
-      sharding.shard_model(model, mesh)
+  stack = (lambda layers: jb.StackedLayers(layers, remat=remat)) if config.stacked(cfg) else None
+  model = llama.build(cfg["model"], seed=cfg["train"]["seed"],
+                      place=sharding.placer(mesh, device), stack=stack)
   if mesh is not None:
     model.overrides = sharding.attention_overrides(cfg["model"]["attention"], *mesh.mesh_shape,
                                                    cfg["model"]["kv_heads"])
   if cfg["remat"]["scan_layers"]:
     model.use_scan, model.scan_remat = True, remat
-  elif cfg["remat"]["bridge"] != "none" and not cfg["remat"]["stack_layers"]:
+  elif cfg["remat"]["bridge"] != "none" and not config.stacked(cfg):
     fallback = cfg["remat"]["fallback"]
     model.layers = torch.nn.ModuleList(jb.BridgeModule(l, remat=remat, fallback=fallback)
                                        for l in model.layers)
@@ -159,6 +156,7 @@ def train(cfg, *, log=print):
   out = pathlib.Path(cfg["out"])
   with rundir.claim(out, log):
     found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
+    cfg = config.resolved(cfg, checkpoint.run_config(found) if found is not None else None)
     if found is not None:
       rundir.check_resume(found, cfg)
       if rundir.complete(found, cfg, log):

@@ -43,7 +43,13 @@ def linear(input, weight, bias=None):
 @threads.once
 def _folded_linear():
   jax = runtime.jax_module()
-  einsum = lambda x, w: jax.numpy.einsum("...a,ba->...b", x, w)  # noqa: E731
+
+  def einsum(x, w):
+    """einsum("...a,ba->...b", x, w) as the dot_general it lowers to (operands promoted alike),
+    traced without einsum's contraction planning."""
+    dtype = jax.numpy.result_type(x, w)
+    return jax.lax.dot_general(x.astype(dtype), w.astype(dtype),
+                               (((x.ndim - 1,), (1,)), ((), ())))
 
   @jax.custom_jvp
   def linear(x, w):

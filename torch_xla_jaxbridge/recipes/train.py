@@ -228,9 +228,10 @@ class _Readback:
     self.window, self.rows, self.queued, self.error = [], [], 0, None
     self.idle = threading.Condition()
     self.origin = time.perf_counter()
-    # (time, steps) of the reads after the first, which holds the compiles: a rate spans up to
-    # _RATE_READS of them, since one read that ran late on a busy host is followed at once by
-    # the next (a window alone then showed 0.1 ms steps next to 40 ms ones)
+    # (time, when the host began the window's last step, steps) of the reads after the first,
+    # which holds the compiles: a rate spans up to _RATE_READS of them, since one read that ran
+    # late on a busy host is followed at once by the next (a window alone then showed 0.1 ms
+    # steps next to 40 ms ones)
     self.recent: collections.deque = collections.deque(maxlen=_RATE_READS + 1)
 
   def add(self, step, began, loss, grad_norm, lr, host_ms):
@@ -279,12 +280,16 @@ class _Readback:
     values = [{k: v.item() if isinstance(v, torch.Tensor) else float(v)
                for k, v in entry["values"].items() if v is not None} for entry in window]
     done = time.perf_counter()  # the window's last step has run (its loss reached the host)
+    began = window[-1]["began"]
     if not self.recent:  # the first read: from the start
       step_s = (done - self.origin) / len(window)
-      self.recent.append((done, 0))
+      self.recent.append((done, began, 0))
     else:
-      self.recent.append((done, len(window)))
-      step_s = (done - self.recent[0][0]) / sum(steps for _, steps in list(self.recent)[1:])
+      self.recent.append((done, began, len(window)))
+      steps = sum(count for *_, count in list(self.recent)[1:])
+      # a device step cannot finish faster than the host begins steps: reads also return late
+      # together (a transfer waits behind the steps queued after it), 0.2 ms steps at 13 ms
+      step_s = max(done - self.recent[0][0], began - self.recent[0][1]) / steps
     rows = [{"step": entry["step"], **value, "step_ms": step_s * 1e3,
              "trace_ms": (entry["traced"] - entry["began"]) * 1e3, "host_ms": entry["host_ms"],
              "tokens_per_s": self.tokens / step_s,

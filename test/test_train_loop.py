@@ -133,7 +133,7 @@ def test_a_late_read_does_not_make_the_next_window_look_instant(tmp_path, monkey
 def test_reads_returning_together_do_not_make_steps_faster_than_the_host_began_them(
     tmp_path, monkeypatch):
   """Measured: in a 30-step llama-tiny run the reads of steps 10, 20 and 30 all returned within
-  4 ms (each transfer waited behind the steps queued after it), while the host began a step
+  4 ms of each other (why is not known), while the host began a step
   every 13 ms; the rows said 0.2 ms a step (MFU over 100%)."""
   clock = iter([0.0, 1.0, 1.002, 1.004])  # origin, then the three reads, bunched
   monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))

@@ -9,6 +9,8 @@ when the recipe logs it; from the process: peak resident memory
 over rounds and ratios against LazyTensor's tokens/s of the same round (with the recipe's
 optimizer, and with torch's AdamW: plain torch_xla); writes JSON.
 
+`--models llama-mid:32` runs a config with another number of layers.
+
   python scripts/bench_recipe.py [--models llama-tiny llama-mid] [--rounds 3] [--steps 30]
                                  [--modes NAME ...] [--json scripts/out/bench_recipe.json]
 """
@@ -38,9 +40,11 @@ SEQ = {"llama-tiny": None, "llama-mid": 256}  # None: the config's own
 
 def child(model: str, mode: str, steps: int, warmup: int) -> dict:
   """One training run (in a fresh process); its medians and peak memory as a dict."""
-  rows, _ = harness.train_recipe([f"model={model}", f"train.steps={steps}",
+  name, _, layers = model.partition(":")  # llama-mid:32: the config with 32 layers
+  rows, _ = harness.train_recipe([f"model={name}", f"train.steps={steps}",
                                   "train.checkpoint_every=0", *MODES[mode],
-                                  *([f"train.seq={SEQ[model]}"] if SEQ.get(model) else [])])
+                                  *([f"train.seq={SEQ[name]}"] if SEQ.get(name) else []),
+                                  *([f"model.layers={layers}"] if layers else [])])
   timed = [r for r in rows if r["step"] > warmup] or rows
   def median(key):
     return statistics.median(r[key] for r in timed if r.get(key) is not None)

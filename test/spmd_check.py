@@ -225,7 +225,7 @@ def main(out_dir):
       "recipe_scan": lambda: check_recipe(pathlib.Path(out_dir) / "scan", "remat.scan_layers=true"),
       "recipe_stacked": lambda: check_recipe(pathlib.Path(out_dir) / "stacked"),  # default
       "recipe_layers": lambda: check_recipe(pathlib.Path(out_dir) / "layers",
-                                            "remat.bridge=layers"),
+                                            "remat.bridge=layers", "remat.stack_layers=false"),
       "recipe_resharded": lambda: check_recipe_resharded(out_dir),
       "recipe_flash": lambda: check_recipe_flash(pathlib.Path(out_dir) / "flash"),
   }

@@ -38,9 +38,10 @@ def device_bytes(model, mesh):
   if mesh is None:
     return sum(p.numel() * p.element_size() for p in model.parameters())
   sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+  specs = sharding.model_specs(model, *mesh.mesh_shape)
   total = 0
   for name, p in model.named_parameters():
-    spec = sharding.param_spec(name, tuple(p.shape), *mesh.mesh_shape)
+    spec = specs[name]
     total += p.numel() * p.element_size() * mesh.size() // math.prod(sizes[a] for a in spec if a)
   return int(total)
 

@@ -64,6 +64,22 @@ def test_scan_and_stack_together_is_a_config_error():
     config.load(["remat.scan_layers=true", "remat.stack_layers=true"])
 
 
+def test_stack_layers_takes_true_false_or_auto_and_auto_follows_the_other_keys():
+  with pytest.raises(config.ConfigError, match="remat.stack_layers: expected true, false or auto, "
+                                               "got 'maybe'"):
+    config.load(["remat.stack_layers=maybe"])
+  with pytest.raises(config.ConfigError, match="remat.layer_loop and remat.stack_layers are both "
+                                               "true; pick one"):
+    config.load(["remat.layer_loop=true", "remat.stack_layers=true"])
+  # a later override of the same key replaces an earlier one (a script's modes, then the user's)
+  assert config.load(["remat.stack_layers=true", "remat.stack_layers=auto"])["remat"][
+      "stack_layers"] == "auto"
+  decided = {o: config.stacked(config.load(list(o))) for o in [
+      (), ("remat.bridge=layers",), ("remat.bridge=none",), ("remat.scan_layers=true",),
+      ("remat.layer_loop=true",)]}
+  assert list(decided.values()) == [True, True, False, False, False]
+
+
 def test_stacked_layers_keep_the_checkpoint_keys_of_the_layer_list():
   plain = train.prepare(config.load(["remat.stack_layers=false"]), torch_xla.device())
   stacked = train.prepare(config.load(), torch_xla.device())  # the default

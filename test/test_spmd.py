@@ -122,8 +122,10 @@ def test_recipe_fsdp4_matches_the_one_device_run(facts, one_device):
 
 def test_recipe_fsdp4_with_a_bridge_module_per_layer_matches_the_one_device_run(facts,
                                                                               recipe_run):
-  one_device, _ = recipe_run("remat.bridge=layers")  # loss.backward() and optimizer.step()
+  # loss.backward() and optimizer.step(), a BridgeModule per layer (not stacked)
+  one_device, _ = recipe_run("remat.bridge=layers", "remat.stack_layers=false")
   found = part(facts, "recipe_layers")
+  assert len(found["param_shardings"]) == 39  # a parameter per layer
   assert found["losses"] == pytest.approx(one_device, rel=TOL)
   assert all(s != "{replicated}" for s in found["param_shardings"].values())
 

@@ -21,7 +21,7 @@ def linear(input, weight, bias=None):
   """`F.linear` whose weight gradient is one 2-D matmul over the input's leading dimensions folded
   together, as torch computes it. From torchax's einsum, JAX's weight gradient contracts two
   dimensions at once, and XLA:CPU copied the output gradient into a transposed layout for it
-  (docs/performance.md has the measurement). The forward is torchax's einsum.
+  (docs/performance.md has the measurement). The forward is one `dot_general`.
 
   Example:
     >>> import torch.nn.functional as F
@@ -44,22 +44,22 @@ def linear(input, weight, bias=None):
 def _folded_linear():
   jax = runtime.jax_module()
 
-  def einsum(x, w):
-    """einsum("...a,ba->...b", x, w) as the dot_general it lowers to (operands promoted alike),
-    traced without einsum's contraction planning."""
+  def contract(x, w):
+    """x's last dimension against w's second, in their promoted dtype: what
+    einsum("...a,ba->...b", x, w) computes, traced without einsum's contraction planning."""
     dtype = jax.numpy.result_type(x, w)
     return jax.lax.dot_general(x.astype(dtype), w.astype(dtype),
                                (((x.ndim - 1,), (1,)), ((), ())))
 
   @jax.custom_jvp
   def linear(x, w):
-    return einsum(x, w)
+    return contract(x, w)
 
   @linear.defjvp
   def linear_jvp(primals, tangents):
     (x, w), (dx, dw) = primals, tangents
     by_weight = jax.numpy.dot(_fold(x), dw.T).reshape(*x.shape[:-1], w.shape[0])
-    return einsum(x, w), einsum(dx, w) + by_weight
+    return contract(x, w), contract(dx, w) + by_weight
 
   return linear
 

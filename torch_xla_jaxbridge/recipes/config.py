@@ -104,8 +104,10 @@ def _typed(key, default, value):
   """`value` checked against the type of the default it replaces."""
   if default is None or (value is None and key in _NULLABLE):
     return value
-  if default == AUTO and (isinstance(value, bool) or value == AUTO):
-    return value
+  if key == "remat.stack_layers":
+    if isinstance(value, bool) or value == AUTO:
+      return value
+    raise ConfigError(f"{key}: expected true, false or {AUTO}, got {value!r}.")
   if isinstance(default, bool) or isinstance(value, bool):
     if isinstance(default, bool) and isinstance(value, bool):
       return value
@@ -158,6 +160,9 @@ def check(cfg):
   if remat["scan_layers"] and remat["stack_layers"] is True:
     raise ConfigError("remat.scan_layers and remat.stack_layers are both true; pick one (both "
                       "run the stack as one scan; stack_layers also stores it stacked).")
+  if remat["layer_loop"] and remat["stack_layers"] is True:
+    raise ConfigError("remat.layer_loop and remat.stack_layers are both true; pick one "
+                      "(stacked layers already run as one scan, with no loop of layers to find).")
   for key in ("batch", "seq", "steps", "log_every"):
     _at_least(f"train.{key}", train[key], 1)
   _at_least("train.checkpoint_every", train["checkpoint_every"], 0)
@@ -171,21 +176,24 @@ def check(cfg):
 
 def stacked(cfg):
   """Whether the decoder stack is a `jb.StackedLayers`: `remat.stack_layers`, where `auto` is
-  true for bridged layers (`remat.bridge` step or layers) that are not `remat.scan_layers`.
+  true for bridged layers (`remat.bridge` step or layers) that are not `remat.scan_layers` and
+  not `remat.layer_loop` (those run the model's own loop).
 
   Example:
-    >>> [stacked(load(o)) for o in ([], ["remat.bridge=none"], ["remat.scan_layers=true"])]
-    [True, False, False]
+    >>> [stacked(load(o)) for o in ([], ["remat.bridge=none"], ["remat.scan_layers=true"],
+    ...                             ["remat.layer_loop=true"])]
+    [True, False, False, False]
   """
   remat = cfg["remat"]
   if remat["stack_layers"] != AUTO:
     return remat["stack_layers"]
-  return remat["bridge"] != "none" and not remat["scan_layers"]
+  return remat["bridge"] != "none" and not remat["scan_layers"] and not remat["layer_loop"]
 
 
 def resolved(cfg, saved=None):
-  """`cfg` with `remat.stack_layers=auto` decided: the checkpoint's setting when resuming from
-  one saved with config `saved` (so a run continues in its own layout), else `stacked(cfg)`.
+  """`cfg` with `remat.stack_layers=auto` decided: `stacked(cfg)`, but false when resuming from a
+  checkpoint saved with config `saved` whose layers were not stacked (so a run continues in its
+  own layout; one saved stacked resumes stacked unless `cfg` rules stacking out).
 
   Example:
     >>> resolved(load())["remat"]["stack_layers"]

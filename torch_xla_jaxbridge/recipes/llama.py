@@ -182,9 +182,10 @@ def build(model_cfg, seed=0, place=None, stack=None):
   in; then handed to `place(name, value, stacked)`, whose result becomes the parameter (default:
   the CPU tensor). Beyond what `place` keeps, the host holds one module's parameters at a time.
 
-  `stack`, given, replaces the (still empty) layer list first, e.g. `jb.StackedLayers`: each of
-  its stacked parameters is then made whole on the host, every layer's module initialised as
-  above into its slice, and placed with `stacked=True`, so the layers are never held twice.
+  `stack`, given, replaces the (still empty) layer list first, e.g. `jb.StackedLayers`, whose
+  one submodule holds a layer's structure with each parameter stacked over the layers: each
+  stack is then made whole on the host, every layer's module initialised as above into its
+  slice, and placed with `stacked=True`, so the layers are never held twice.
 
   Example:
     >>> from torch_xla_jaxbridge.recipes import config
@@ -210,15 +211,16 @@ def build(model_cfg, seed=0, place=None, stack=None):
     names = [name for name, _ in module.named_parameters(recurse=False)]
     if not names:
       continue
-    in_stack = stack is not None and prefix.startswith("layers.")  # layers.<its module>[.<path>]
-    if in_stack:
-      values = _stacked_values(layers, prefix.split(".", 2)[2] if prefix.count(".") > 1 else "",
-                               seed)
+    in_stack = stack is not None and prefix.startswith("layers.")
+    if in_stack:  # prefix: layers.<the stack's layer module>[.<path in a layer>]
+      path = prefix.split(".", 2)[2] if prefix.count(".") > 1 else ""
+      values = _stacked_values(layers, path, seed)
     else:
       module.to_empty(device="cpu", recurse=False)
       _initialise(module, seed, prefix)
       values = {name: getattr(module, name).detach() for name in names}
-    for name, value in values.items():
+    for name in names:
+      value = values.pop(name)  # the host copy goes as soon as it is placed
       if place is not None:
         value = place(f"{prefix}.{name}" if prefix else name, value, in_stack)
       setattr(module, name, nn.Parameter(value))

@@ -75,14 +75,15 @@ def param_spec(name, shape, fsdp, tensor):
   return tuple(spec)
 
 
-def place(value, mesh, spec):
-  """The CPU tensor `value` as a tensor on the XLA device split by `spec` over `mesh`, made from
-  its shards: each device receives only its own part (`jb.spmd.place_from_cpu`).
+def place(value, mesh, partition):
+  """The CPU tensor `value` as a tensor on the XLA device split by `partition` (a partition spec)
+  over `mesh`, made from its shards: each device receives only its own part
+  (`jb.spmd.place_from_cpu`).
 
   Example (needs 4 devices under `use_spmd()`; test_startup.py runs it on 4 virtual CPU devices):
     >>> weight = place(torch.ones(8, 4), make_mesh(4, 1), ("fsdp", None))  # doctest: +SKIP
   """
-  return jb.spmd.place_from_cpu(value, mesh, spec)
+  return jb.spmd.place_from_cpu(value, mesh, partition)
 
 
 def placer(mesh, device):
@@ -114,22 +115,33 @@ def spec(name, shape, stacked, fsdp, tensor):
   return param_spec(name, shape, fsdp, tensor)
 
 
+def model_specs(model, fsdp, tensor):
+  """Each parameter of `model` by name: its `spec` on an (fsdp, tensor) mesh, the stacks of a
+  `jb.StackedLayers` as stacks.
+
+  Example:
+    >>> import torch
+    >>> model_specs(torch.nn.Linear(8, 4), 4, 1)
+    {'weight': (None, 'fsdp'), 'bias': ('fsdp',)}
+  """
+  stacked = [prefix + "." for prefix, sub in model.named_modules()
+             if isinstance(sub, jb.StackedLayers)]
+  return {name: spec(name, tuple(param.shape), any(name.startswith(p) for p in stacked), fsdp,
+                     tensor)
+          for name, param in model.named_parameters()}
+
+
 def shard_model(model, mesh):
-  """Marks every parameter of `model` (on the XLA device) with its `spec`; returns the specs by
-  name.
+  """Marks every parameter of `model` (on the XLA device) with its `model_specs` entry; returns
+  them.
 
   Example (needs 4 devices under `use_spmd()`; test_spmd.py runs it on 4 virtual CPU devices):
     >>> specs = shard_model(model, make_mesh(4, 1))  # doctest: +SKIP
   """
   import torch_xla.distributed.spmd as xs
 
-  fsdp, tensor = mesh.mesh_shape
-  stacked = [prefix + "." for prefix, sub in model.named_modules()
-             if isinstance(sub, jb.StackedLayers)]
-  specs = {}
+  specs = model_specs(model, *mesh.mesh_shape)
   for name, param in model.named_parameters():
-    specs[name] = spec(name, tuple(param.shape), any(name.startswith(p) for p in stacked), fsdp,
-                       tensor)
     xs.mark_sharding(param, mesh, specs[name])
   return specs
 

@@ -287,8 +287,7 @@ class _Readback:
     else:
       self.recent.append((done, began, len(window)))
       steps = sum(count for *_, count in list(self.recent)[1:])
-      # a device step cannot finish faster than the host begins steps; reads can return
-      # together (3 reads within 4 ms, logged as 0.2 ms steps while the host took 13 ms)
+      # never faster than the host began steps: reads can return together (docs/recipes.md)
       step_s = max(done - self.recent[0][0], began - self.recent[0][1]) / steps
     rows = [{"step": entry["step"], **value, "step_ms": step_s * 1e3,
              "trace_ms": (entry["traced"] - entry["began"]) * 1e3, "host_ms": entry["host_ms"],

@@ -76,7 +76,7 @@ def main() -> int:
   parser.add_argument("--json", default=str(ROOT / "scripts" / "out" / "bench_checkpoint.json"))
   parser.add_argument("overrides", nargs="*")
   opts = parser.parse_args()
-  cfg = config.load(opts.overrides)
+  cfg = config.resolved(config.load(opts.overrides))  # as `train.train` saves it
   model, optimizer = trained(cfg)
   with tempfile.TemporaryDirectory() as work:
     round_(model, optimizer, work, cfg)  # warm-up: first save and load compile and allocate

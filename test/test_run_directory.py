@@ -124,6 +124,22 @@ def test_a_run_resumes_in_its_own_layer_layout_under_the_default(tmp_path):
       "stack_layers"] is True  # the default, decided
 
 
+def test_a_checkpoint_saved_without_its_config_resumes_with_a_parameter_per_layer(tmp_path):
+  """A checkpoint from before the run config was saved holds a parameter per layer (the default
+  then): under `auto` it resumes so (stacked, its optimizer state raised an IndexError)."""
+  tiny = [f"out={tmp_path}", "train.checkpoint_every=2", "model.layers=2", "train.batch=2",
+          "train.seq=16"]
+  full = train.train(config.load([*tiny, "train.steps=4", "remat.stack_layers=false",
+                                  "train.checkpoint_every=0", f"out={tmp_path / 'full'}"]),
+                     log=print)
+  train.train(config.load([*tiny, "train.steps=2", "remat.stack_layers=false"]), log=print)
+  saved = tmp_path / "checkpoints" / "step_000002"
+  for name in ("config.json", "checksums.json"):  # as an older version saved it
+    (saved / name).unlink()
+  assert train.train(config.load([*tiny, "train.steps=4", "resume=true"]), log=print) == \
+      pytest.approx(full[2:], rel=1e-6)
+
+
 def test_what_does_not_change_the_state_resumes():
   saved = config.load()
   assert rundir.differences(saved, config.load([

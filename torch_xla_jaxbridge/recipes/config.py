@@ -192,19 +192,23 @@ def stacked(cfg):
 
 def resolved(cfg, saved=None):
   """`cfg` with `remat.stack_layers=auto` decided: `stacked(cfg)`, but false when resuming from a
-  checkpoint saved with config `saved` whose layers were not stacked (so a run continues in its
-  own layout; one saved stacked resumes stacked unless `cfg` rules stacking out).
+  checkpoint whose layers were not stacked (so a run continues in its own layout; one saved
+  stacked resumes stacked unless `cfg` rules stacking out). `saved` is the checkpoint's config
+  when resuming ({} for a checkpoint saved without one, or without this key: from before
+  stacking was the default, so a parameter per layer), None otherwise.
 
   Example:
     >>> resolved(load())["remat"]["stack_layers"]
     True
     >>> resolved(load(), {"remat": {"stack_layers": False}})["remat"]["stack_layers"]
     False
+    >>> resolved(load(), {})["remat"]["stack_layers"]
+    False
   """
   remat = cfg["remat"]
   if remat["stack_layers"] != AUTO:
     return cfg
-  before = (saved or {}).get("remat", {}).get("stack_layers")
+  before = None if saved is None else saved.get("remat", {}).get("stack_layers", False)
   decided = stacked(cfg) and before is not False
   return {**cfg, "remat": {**remat, "stack_layers": decided}}
 

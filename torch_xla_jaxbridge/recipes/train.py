@@ -156,7 +156,7 @@ def train(cfg, *, log=print):
   out = pathlib.Path(cfg["out"])
   with rundir.claim(out, log):
     found = checkpoint.latest(out / "checkpoints") if cfg["resume"] else None
-    cfg = config.resolved(cfg, checkpoint.run_config(found) if found is not None else None)
+    cfg = config.resolved(cfg, (checkpoint.run_config(found) or {}) if found is not None else None)
     if found is not None:
       rundir.check_resume(found, cfg)
       if rundir.complete(found, cfg, log):

@@ -176,8 +176,7 @@ class Spec:
     statics = [m for m in markers if m is not DIFF and m is not OTHER]
     objects = any(type(m) not in _ATOMS and stateful.may_hold_state(m) for m in statics)
     try:  # the common statics (flags, sizes, None) keyed by type and value without plain.key
-      keys: tuple | None = tuple([(type(m), m) if type(m) in _ATOMS else plain.static_key(m)
-                                  for m in statics])
+      keys: tuple | None = tuple([_static_key(m) for m in statics])
     except plain.NotPlain:
       if not objects:  # an object may yet be passed as its state (`stateful.box`)
         call.static_keys(markers, tree, caller)  # raises, naming the leaf
@@ -245,6 +244,12 @@ def _tree_change(old: PyTreeDef, new: PyTreeDef) -> str | None:
   return None
 
 
+def _static_key(value: object) -> object:
+  """A static leaf's part of a spec's key: the common ones (flags, sizes, None) by type and
+  value without `plain.key`; raises `plain.NotPlain` for a value it cannot key."""
+  return (type(value), value) if type(value) in _ATOMS else plain.static_key(value)
+
+
 def _statics_change(old: tuple, new: tuple) -> str | None:
   """The static leaves (not tensors) that differ between two specs' leaves."""
   changes = []
@@ -252,9 +257,7 @@ def _statics_change(old: tuple, new: tuple) -> str | None:
     if before is DIFF or before is OTHER or before is after:
       continue
     try:  # as `Spec.split` keys them
-      same = type(before) is type(after) and (
-          before == after if type(before) in _ATOMS else
-          plain.static_key(before) == plain.static_key(after))
+      same = type(before) is type(after) and _static_key(before) == _static_key(after)
     except plain.NotPlain:  # an object keyed otherwise (`stateful.box`)
       same = False
     if not same:

@@ -8,6 +8,7 @@ applies: `decoder_layer_input`, `query_proj`, `key_proj`, `value_proj`, `out_pro
 Attention is `F.scaled_dot_product_attention`; `attention="flash"` runs it as the Pallas flash
 kernel in the bridged layers (`jb.override_ops`, `ATTENTION`).
 """
+import collections.abc
 import hashlib
 
 import torch
@@ -184,8 +185,10 @@ def build(model_cfg, seed=0, place=None, stack=None):
 
   `stack`, given, replaces the (still empty) layer list first, e.g. `jb.StackedLayers`, whose
   one submodule holds a layer's structure with each parameter stacked over the layers: each
-  stack is then made whole on the host, every layer's module initialised as above into its
-  slice, and placed with `stacked=True`, so the layers are never held twice.
+  stacked parameter is handed to `place` with `stacked=True` as a `LayerValues`, which makes
+  the layers' values one at a time (every layer's module initialised as above), so `place` can
+  assemble the stack where it goes, holding one layer's value on the host at a time
+  (`sharding.placer` builds it on the device); with no `place`, the stack is made on the CPU.
 
   Example:
     >>> from torch_xla_jaxbridge.recipes import config
@@ -214,7 +217,8 @@ def build(model_cfg, seed=0, place=None, stack=None):
     in_stack = stack is not None and prefix.startswith("layers.")
     if in_stack:  # prefix: layers.<the stack's layer module>[.<path in a layer>]
       path = prefix.split(".", 2)[2] if prefix.count(".") > 1 else ""
-      values = _stacked_values(layers, path, seed)
+      values: dict = {name: LayerValues(layers, path, name, seed, getattr(module, name))
+                      for name in names}
     else:
       module.to_empty(device="cpu", recurse=False)
       _initialise(module, seed, prefix)
@@ -223,6 +227,8 @@ def build(model_cfg, seed=0, place=None, stack=None):
       value = values.pop(name)  # the host copy goes as soon as it is placed
       if place is not None:
         value = place(f"{prefix}.{name}" if prefix else name, value, in_stack)
+      elif in_stack:
+        value = value.stack()
       setattr(module, name, nn.Parameter(value))
   return model
 
@@ -234,21 +240,45 @@ def _initialise(module, seed, name):
     module.reset_parameters()
 
 
-def _stacked_values(layers, path, seed):
-  """The parameters of module `path` in every layer of the meta list `layers`, each stacked over
-  the layers (as `torch.stack` of the unstacked build's values), made on the CPU a layer at a
-  time."""
-  stacks = {}
-  for i, layer in enumerate(layers):
-    module = layer.get_submodule(path)
+class LayerValues(collections.abc.Sequence):
+  """Parameter `name` of module `path` in each layer of the meta list `layers`, made on the CPU
+  a layer at a time: `values[i]` initialises layer i's module (from its own seed, as the
+  per-layer build does) and returns that parameter's value (a module with several parameters is
+  initialised again for each); the layer list keeps no values.
+  `shape` and `dtype` are the stack's (those of `meta`, the stacked meta parameter).
+
+  Example:
+    >>> from torch_xla_jaxbridge.recipes import config
+    >>> stacked = build(config.load()["model"], seed=0, stack=jb.StackedLayers,
+    ...                 place=lambda name, value, stacked: value.stack() if stacked else value)
+    >>> plain = build(config.load()["model"], seed=0)
+    >>> torch.equal(stacked.layers.layer.attn.k_proj.weight[1], plain.layers[1].attn.k_proj.weight)
+    True
+  """
+
+  def __init__(self, layers, path, name, seed, meta):
+    self.layers, self.path, self.name, self.seed = layers, path, name, seed
+    self.shape, self.dtype = tuple(meta.shape), meta.dtype
+
+  def __len__(self):
+    return len(self.layers)
+
+  def __getitem__(self, i):
+    if not 0 <= i < len(self.layers):
+      raise IndexError(f"LayerValues: layer {i} of {len(self.layers)}")
+    module = self.layers[i].get_submodule(self.path)
     module.to_empty(device="cpu", recurse=False)
-    _initialise(module, seed, f"layers.{i}.{path}" if path else f"layers.{i}")
-    for name, value in module.named_parameters(recurse=False):
-      if name not in stacks:
-        stacks[name] = torch.empty((len(layers), *value.shape), dtype=value.dtype)
-      stacks[name][i] = value.detach()
-    module.to_empty(device="meta", recurse=False)  # the layer list holds no values
-  return stacks
+    _initialise(module, self.seed, f"layers.{i}.{self.path}" if self.path else f"layers.{i}")
+    value = getattr(module, self.name).detach()
+    module.to_empty(device="meta", recurse=False)  # emptied in place: no cycle keeps the values
+    return value
+
+  def stack(self):
+    """The whole stack on the CPU, each layer's value made into its slice."""
+    out = torch.empty(self.shape, dtype=self.dtype)
+    for i, value in enumerate(self):
+      out[i] = value
+    return out
 
 
 def module_seed(seed, name):

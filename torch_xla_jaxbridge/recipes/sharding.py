@@ -88,7 +88,8 @@ def place(value, mesh, partition):
 
 def placer(mesh, device):
   """`place(name, value, stacked)` for `llama.build`: each initial value on `device`, split over
-  `mesh` by its `spec` (with no mesh: moved whole).
+  `mesh` by its `spec` (with no mesh: moved whole); a stack (`stacked`: `value` a
+  `llama.LayerValues`) assembled on the device a layer at a time (`stack_on_device`).
 
   Example:
     >>> import torch
@@ -96,10 +97,49 @@ def placer(mesh, device):
     'xla'
   """
   if mesh is None:
-    return lambda name, value, stacked: value.to(device)
-  fsdp, tensor = mesh.mesh_shape
-  return lambda name, value, stacked: place(value, mesh, spec(name, tuple(value.shape), stacked,
-                                                              fsdp, tensor))
+    one = lambda name, value: value.to(device)  # noqa: E731
+  else:
+    one = lambda name, value: place(value, mesh, param_spec(  # noqa: E731
+        name, tuple(value.shape), *mesh.mesh_shape))
+  return lambda name, value, stacked: (stack_on_device(name, value, one, device, mesh)
+                                       if stacked else one(name, value))
+
+
+def stack_on_device(name, values, place_one, device, mesh=None):
+  """The stack of parameter `name` on `device`, made from `values` (its layers' values on the
+  CPU, made as each is read: `llama.LayerValues`) one layer at a time: each layer's value placed
+  by `place_one(name, value)` (under SPMD as its shards, by the layer's `param_spec`), copied
+  into its slice of the stack (marked with its stacked `spec`) and the step run
+  (`torch_xla.sync()`, the stack's buffer updated in place: torch_xla aliases an in-place updated
+  input to its output) and waited for. The host holds one layer's value (and its shards) at a
+  time, the devices the stack and one layer; the result is device data, no graph pending.
+
+  Example:
+    >>> import torch
+    >>> values = [torch.full((2, 3), float(i)) for i in range(4)]
+    >>> stack = stack_on_device("w", values, lambda name, value: value.to("xla"), "xla")
+    >>> stack.shape, stack[:, 0, 0].cpu().tolist()
+    (torch.Size([4, 2, 3]), [0.0, 1.0, 2.0, 3.0])
+  """
+  import torch
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+
+  first = values[0]
+  shape = (len(values), *first.shape)
+  stack = torch.zeros(shape, dtype=first.dtype, device=device)
+  if mesh is not None:
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(stack, mesh, spec(name, shape, True, *mesh.mesh_shape))
+  for i in range(len(values)):
+    layer = place_one(name, first if i == 0 else values[i])
+    first = None  # the first layer's host value goes once placed
+    stack.index_copy_(0, torch.tensor([i], device=device), layer.unsqueeze(0))
+    del layer
+    torch_xla.sync()
+    xm.wait_device_ops()
+  return stack
 
 
 def spec(name, shape, stacked, fsdp, tensor):

@@ -3,6 +3,7 @@ strings) their forward never reads (`_bridge.auto.SharedForward`, `_core.setting
 a Hugging Face cache, only in the index of the cache slot they write (`_bridge.layer_slots`).
 Values, gradients and caches against eager CPU torch; traces by the lowering cache's counters."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -89,6 +90,29 @@ def test_changing_an_unread_value_keeps_the_trace_and_a_read_one_retraces():
   torch.testing.assert_close(after, expected)
 
 
+class Activated(torch.nn.Module):
+  """Holds an activation of its own, a `functools.partial` (as Gemma's `GELUTanh` does)."""
+
+  def __init__(self, approximate="tanh"):
+    super().__init__()
+    self.lin = torch.nn.Linear(8, 8)
+    self.act = functools.partial(torch.nn.functional.gelu, approximate=approximate)
+
+  def forward(self, x):
+    return x + self.act(self.lin(x))
+
+
+def test_layers_holding_equal_partials_share_one_trace():
+  torch.manual_seed(0)
+  eager = torch.nn.Sequential(Activated(), Activated(), Activated("none"))
+  moved = copy.deepcopy(eager).to("xla")  # each copy its own partial object
+  jb.bridge_modules(moved, ["Activated"])
+  jb.clear_cache()
+  x = torch.randn(2, 8, requires_grad=True)  # every layer's input requires grad: one signature
+  torch.testing.assert_close(moved(x.to("xla")).cpu(), eager(x), rtol=1e-5, atol=1e-6)
+  assert jb.cache_info().misses == 2  # the two tanh layers share a forward, the exact one apart
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_hugging_face_layers_share_one_trace_with_or_without_a_cache(use_cache):
   config = transformers.LlamaConfig(
@@ -125,7 +149,7 @@ def test_hugging_face_layers_share_one_trace_with_or_without_a_cache(use_cache):
 class CacheLayer(torch.nn.Module):
   """Writes its slot of a Hugging Face cache; `reads_other` also reads the slot before its own,
   `scaled` doubles its output at odd `layer_idx` (an op its index decides), `shifted` adds its
-  `layer_idx` as a tensor made from the number (a constant its index decides)."""
+  constants made from its `layer_idx` (values its index decides)."""
 
   def __init__(self, layer_idx, reads_other=False, scaled=False, shifted=False):
     super().__init__()
@@ -141,8 +165,9 @@ class CacheLayer(torch.nn.Module):
       y = y + cache.layers[self.layer_idx - 1].keys[:, 0]
     if self.scaled and self.layer_idx % 2:
       y = y * 2
-    if self.shifted:
-      y = y + torch.tensor(float(self.layer_idx))
+    if self.shifted:  # a constant made on the input's device and one on the CPU
+      y = y + torch.tensor(float(self.layer_idx), device=y.device)
+      y = y - torch.tensor(self.layer_idx / 2)
     return x + y
 
 

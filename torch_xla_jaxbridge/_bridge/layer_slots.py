@@ -11,6 +11,7 @@ slot, keeps its own trace (with the whole cache, as before).
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from typing import Any, Callable, Hashable
@@ -25,7 +26,11 @@ from torch_xla_jaxbridge._compat import torch_dispatch_private
 from torch_xla_jaxbridge._core import modules, plain, runtime
 
 INDEX = "layer_idx"  # the attribute by which a Hugging Face layer addresses its cache slot
-_PRINTS: dict[tuple, int] = {}  # a fingerprint's records -> its number (the key holds the number)
+# a fingerprint's records -> its number (the key holds the number), the latest `_PRINTS_KEPT`: a
+# record dropped and met again gets a new number (its layers trace again, once)
+_PRINTS: dict[tuple, int] = {}
+_PRINTS_KEPT = 256
+_NUMBERS = itertools.count()
 _MEMO_SIZE = 8  # fingerprints a layer keeps, by call signature (a new batch shape adds one)
 
 
@@ -134,7 +139,11 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
       record = (tuple(recorder.log), recorder.key(out), _slot_after(recorder, metas, at))
     except Exception:  # noqa: BLE001  (another slot touched, no meta kernel, a value read,
       return None  # a tensor from elsewhere: the layer keeps a trace of its own)
-  return _PRINTS.setdefault(record, len(_PRINTS))
+  number = _PRINTS.pop(record, None)
+  _PRINTS[record] = next(_NUMBERS) if number is None else number  # the latest last
+  if len(_PRINTS) > _PRINTS_KEPT:
+    del _PRINTS[next(iter(_PRINTS))]
+  return _PRINTS[record]
 
 
 class _Unnamed(Exception):

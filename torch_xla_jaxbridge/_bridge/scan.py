@@ -211,8 +211,8 @@ class StackedLayers(torch.nn.Module):
   def forward(self, carry: Any, *shared_args: Any, **shared_kwargs: Any) -> Any:
     """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
     params, buffers, training = self._walk.state()
-    bridged = _bridged_scan(self.layer, structure_keys.structure_key(self.layer, same_objects=False),
-                            self.remat)
+    structure = structure_keys.structure_key(self.layer, same_objects=False)
+    bridged = _bridged_scan(self.layer, structure, self.remat)
     out = bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
                              shared_args, shared_kwargs)
     layer_check.refuse_read(self.differences, bridged.fn.reads, "StackedLayers")

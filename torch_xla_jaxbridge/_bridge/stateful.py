@@ -172,10 +172,10 @@ def may_hold_state(leaf: object) -> bool:
     >>> may_hold_state(3), may_hold_state(torch.nn.Linear(1, 1))
     (False, False)
   """
-  return isinstance(leaf, CacheSlot) or not (isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
-              or callable(leaf)
-              or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
-              or plain.is_plain(leaf))
+  return isinstance(leaf, CacheSlot) or not (
+      isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
+      or callable(leaf) or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
+      or plain.is_plain(leaf))
 
 
 def _is_cache(obj: object) -> bool:
@@ -212,7 +212,8 @@ def box(tree: PyTree) -> tuple[PyTree, list[tuple[object, Snapshot]]]:
           f"{_DEPTH} deep (or refers to itself), so its tensors cannot be passed through the "
           f"trace. Pass the tensors themselves; for a Hugging Face model in training, "
           f"use_cache=False leaves the cache out.") from None
-    if snapshot.tensors or _is_cache(leaf) or isinstance(leaf, CacheSlot):  # an object without tensors stays a static value
+    # an object without tensors stays a static value
+    if snapshot.tensors or _is_cache(leaf) or isinstance(leaf, CacheSlot):
       leaves[i] = snapshot
       boxed.append((leaf, snapshot))
   return (treedef.unflatten(leaves) if boxed else tree), boxed

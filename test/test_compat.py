@@ -8,7 +8,8 @@ import torch_xla
 
 import torch_xla_jaxbridge as jb
 from torch_xla_jaxbridge._compat import (jax_lowering_private, jax_private, jaxpr_private,
-                                         torch_private, torch_xla_private, torchax_private)
+                                         torch_dispatch_private, torch_private, torch_xla_private,
+                                         torchax_private)
 from torch_xla_jaxbridge._training.memory import compiled_memory
 from torch_xla_jaxbridge._core import tracing
 
@@ -390,18 +391,18 @@ _halved.register_autograd(lambda ctx, grad: grad / 2)
 
 
 def test_custom_op_readers():
-  assert torch_private.op_namespace(torch.ops.jbcompat.doubled) == "jbcompat"
-  assert torch_private.has_kernel("jbcompat::doubled", "XLA")
-  assert not torch_private.has_kernel("jbcompat::doubled", "CPU")
+  assert torch_dispatch_private.op_namespace(torch.ops.jbcompat.doubled) == "jbcompat"
+  assert torch_dispatch_private.has_kernel("jbcompat::doubled", "XLA")
+  assert not torch_dispatch_private.has_kernel("jbcompat::doubled", "CPU")
   x = torch.ones(2, device="xla")
-  out = torch.ops.jbcompat.doubled.default.redispatch(torch_private.dispatch_key_set("XLA"), x)
+  out = torch.ops.jbcompat.doubled.default.redispatch(torch_dispatch_private.dispatch_key_set("XLA"), x)
   assert out.cpu().tolist() == [2.0, 2.0]
-  assert torch_private.is_op(torch.ops.jbcompat.doubled) and not torch_private.is_op(torch.mul)
-  assert torch_private.overload_of(torch.ops.jbcompat.doubled, (x,), {}) is (
+  assert torch_dispatch_private.is_op(torch.ops.jbcompat.doubled) and not torch_dispatch_private.is_op(torch.mul)
+  assert torch_dispatch_private.overload_of(torch.ops.jbcompat.doubled, (x,), {}) is (
       torch.ops.jbcompat.doubled.default)
-  assert torch_private.custom_op_definition("jbcompat::doubled") is None
-  implementation, setup, backward = torch_private.custom_op_parts(
-      torch_private.custom_op_definition("jbcompat::halved"))
+  assert torch_dispatch_private.custom_op_definition("jbcompat::doubled") is None
+  implementation, setup, backward = torch_dispatch_private.custom_op_parts(
+      torch_dispatch_private.custom_op_definition("jbcompat::halved"))
   assert implementation(torch.ones(1)).item() == 0.5 and setup is None
   assert backward(None, torch.ones(1)).item() == 0.5
 
@@ -528,3 +529,16 @@ def test_jaxpr_readers_for_layer_chains():
       again.params["jvp_jaxpr_fun"])
   first_two = jaxpr_private.equations_function(closed.jaxpr.invars, sin.outvars, [mul, sin])
   assert float(first_two(0.25)[0]) == pytest.approx(float(jax.numpy.sin(0.5)))
+
+
+def test_dispatch_mode_sees_the_ops_a_meta_tensor_runs():
+  seen = []
+
+  class Seen(torch_dispatch_private.dispatch_mode()):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+      seen.append(func)
+      return func(*args, **(kwargs or {}))
+
+  with Seen():
+    (torch.ones(2, device="meta") * 2).sum()
+  assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.sum.default in seen

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_xla_jaxbridge as jb
-from torch_xla_jaxbridge._core import dtypes, modules, plain
+from torch_xla_jaxbridge._core import dtypes, modules, plain, structure_keys
 
 
 class Mode(enum.Enum):
@@ -76,8 +76,8 @@ def test_any_attribute_that_differs_is_reported(change):
   assert modules.attribute_differences(first, other) == []
   change(other)
   assert len(modules.attribute_differences(first, other)) == 1
-  assert modules.structure_key(first) != modules.structure_key(other) or (
-      modules.structure_key(first) is None)
+  assert structure_keys.structure_key(first) != structure_keys.structure_key(other) or (
+      structure_keys.structure_key(first) is None)
 
 
 def test_identical_layers_with_shared_objects_pass():

@@ -1,8 +1,9 @@
 """Modules of one structure share their traces when they differ only in plain values (numbers,
-strings) their forward never reads (`_bridge.auto.SharedForward`, `_core.settings_key`):
-Hugging Face decoder layers differ in `self_attn.layer_idx`, read only with a cache. Values and
-gradients against eager CPU torch; traces by the lowering cache's counters."""
+strings) their forward never reads (`_bridge.auto.SharedForward`, `_core.settings_key`), or, with
+a Hugging Face cache, only in the index of the cache slot they write (`_bridge.layer_slots`).
+Values, gradients and caches against eager CPU torch; traces by the lowering cache's counters."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -89,8 +90,31 @@ def test_changing_an_unread_value_keeps_the_trace_and_a_read_one_retraces():
   torch.testing.assert_close(after, expected)
 
 
-@pytest.mark.parametrize("use_cache, traces", [(False, 2), (True, 8)])
-def test_hugging_face_layers_share_a_trace_unless_a_cache_reads_their_index(use_cache, traces):
+class Activated(torch.nn.Module):
+  """Holds an activation of its own, a `functools.partial` (as Gemma's `GELUTanh` does)."""
+
+  def __init__(self, approximate="tanh"):
+    super().__init__()
+    self.lin = torch.nn.Linear(8, 8)
+    self.act = functools.partial(torch.nn.functional.gelu, approximate=approximate)
+
+  def forward(self, x):
+    return x + self.act(self.lin(x))
+
+
+def test_layers_holding_equal_partials_share_one_trace():
+  torch.manual_seed(0)
+  eager = torch.nn.Sequential(Activated(), Activated(), Activated("none"))
+  moved = copy.deepcopy(eager).to("xla")  # each copy its own partial object
+  jb.bridge_modules(moved, ["Activated"])
+  jb.clear_cache()
+  x = torch.randn(2, 8, requires_grad=True)  # every layer's input requires grad: one signature
+  torch.testing.assert_close(moved(x.to("xla")).cpu(), eager(x), rtol=1e-5, atol=1e-6)
+  assert jb.cache_info().misses == 2  # the two tanh layers share a forward, the exact one apart
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_hugging_face_layers_share_one_trace_with_or_without_a_cache(use_cache):
   config = transformers.LlamaConfig(
       vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
       num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
@@ -103,12 +127,108 @@ def test_hugging_face_layers_share_a_trace_unless_a_cache_reads_their_index(use_
   ids = torch.randint(0, 128, (2, 16))
   optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, moved)]
   for _ in range(2):
+    caches = []
     for model, optimizer, inputs in zip((eager, moved), optimizers, (ids, ids.to("xla"))):
-      loss = model(input_ids=inputs, labels=inputs).loss
-      loss.backward()
+      out = model(input_ids=inputs, labels=inputs)
+      out.loss.backward()
       optimizer.step()
       optimizer.zero_grad()
       torch_xla.sync()
-  assert jb.cache_info().misses == traces  # four layers: one trace each way, or one per layer
+      caches.append(out.past_key_values)
+    if use_cache:  # every layer's slot holds what eager's holds
+      for theirs, mine in zip(*(cache.layers for cache in caches), strict=True):
+        torch.testing.assert_close(mine.keys.cpu(), theirs.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.values.cpu(), theirs.values, rtol=1e-4, atol=1e-5)
+    else:
+      assert caches == [None, None]
+  assert jb.cache_info().misses == 2  # four layers: one trace each way
   for p, q in zip(eager.parameters(), moved.parameters()):
     torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=2e-5)
+
+
+class CacheLayer(torch.nn.Module):
+  """Writes its slot of a Hugging Face cache; `reads_other` also reads the slot before its own,
+  `scaled` doubles its output at odd `layer_idx` (an op its index decides), `shifted` adds its
+  constants made from its `layer_idx` (values its index decides)."""
+
+  def __init__(self, layer_idx, reads_other=False, scaled=False, shifted=False):
+    super().__init__()
+    self.proj = torch.nn.Linear(8, 8)
+    self.layer_idx, self.reads_other, self.scaled = layer_idx, reads_other, scaled
+    self.shifted = shifted
+
+  def forward(self, x, cache):
+    k = self.proj(x)
+    keys, _ = cache.update(k[:, None], k[:, None], self.layer_idx)
+    y = torch.tanh(keys[:, 0])
+    if self.reads_other and self.layer_idx > 0:
+      y = y + cache.layers[self.layer_idx - 1].keys[:, 0]
+    if self.scaled and self.layer_idx % 2:
+      y = y * 2
+    if self.shifted:  # a constant made on the input's device and one on the CPU
+      y = y + torch.tensor(float(self.layer_idx), device=y.device)
+      y = y - torch.tensor(self.layer_idx / 2)
+    return x + y
+
+
+class CacheStack(torch.nn.Module):
+  def __init__(self, layers=4, **kwargs):
+    super().__init__()
+    self.layers = torch.nn.ModuleList(CacheLayer(i, **kwargs) for i in range(layers))
+
+  def forward(self, x):
+    cache = transformers.DynamicCache(
+        config=transformers.LlamaConfig(num_hidden_layers=len(self.layers)))
+    for layer in self.layers:
+      x = layer(x, cache)
+    return x, cache
+
+
+def _cache_stack_against_eager(passes=2, **kwargs):
+  """Outputs, gradients and every cache slot equal eager's over `passes` calls; the traces."""
+  torch.manual_seed(0)
+  eager = CacheStack(**kwargs)
+  moved = copy.deepcopy(eager).to("xla")
+  jb.bridge_modules(moved, ["CacheLayer"])
+  jb.clear_cache()
+  x = torch.randn(2, 8, requires_grad=True)
+  for _ in range(passes):
+    for m in (eager, moved):
+      m.zero_grad()
+    (out, cache), grads = _forward_and_grads_of_first(moved, x.to("xla"))
+    torch_xla.sync()
+    (expected, expected_cache), expected_grads = _forward_and_grads_of_first(eager, x)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected_grads):
+      torch.testing.assert_close(g.cpu(), e, rtol=1e-4, atol=1e-5)
+    assert len(cache.layers) == len(expected_cache.layers)
+    for mine, theirs in zip(cache.layers, expected_cache.layers):
+      assert mine.keys.device.type == "xla" and mine.is_initialized
+      torch.testing.assert_close(mine.keys.detach().cpu(), theirs.keys.detach())
+      torch.testing.assert_close(mine.values.detach().cpu(), theirs.values.detach())
+  return jb.cache_info().misses
+
+
+def _forward_and_grads_of_first(model, x):
+  out = model(x)
+  out[0].square().sum().backward()
+  return out, [p.grad for p in model.parameters()]
+
+
+def test_layers_writing_their_own_cache_slot_share_one_trace():
+  assert _cache_stack_against_eager() == 2  # four layers, two passes: one trace each way
+
+
+def test_layers_whose_index_changes_an_op_share_only_with_alike_layers():
+  # odd layers double their output: layers 0 and 2 share one trace, 1 and 3 another
+  assert _cache_stack_against_eager(scaled=True) == 4
+
+
+def test_layers_whose_index_makes_a_constant_keep_their_own_traces():
+  assert _cache_stack_against_eager(shifted=True) == 8
+
+
+def test_a_layer_reading_another_layers_slot_is_passed_the_whole_cache():
+  # each layer after the first reads the slot before its own: traced with the whole cache, each
+  # layer its own trace each way (as before slots were shared)
+  assert _cache_stack_against_eager(reads_other=True) == 8

@@ -45,6 +45,9 @@ MODES = ("layers", "whole")
 # StaticCache layers that keep a Python counter of the tokens seen (sliding windows): their state,
 # and so the trace, changes every token
 STATIC_CACHE_COUNTS_IN_PYTHON = {"mistral"}
+# layers whose forward reads values (a mixture of experts' routing): no fingerprint on the meta
+# device, so each keeps a trace of its own with a cache
+DATA_DEPENDENT_LAYERS = {"mixtral"}
 
 
 def build(name):

@@ -16,11 +16,12 @@ from typing import Any, Iterable, Iterator, Literal
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, rollback
+from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, layer_slots, rollback
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced, off_xla, one_tensor
+from torch_xla_jaxbridge._bridge.cache_slots import addressing
 from torch_xla_jaxbridge._compat import torch_private
-from torch_xla_jaxbridge._core import attribute_reads, hooks, modules, settings_key
+from torch_xla_jaxbridge._core import attribute_reads, hooks, modules, settings_key, structure_keys
 
 # (structure key, remat, hooks) -> Bridged of identical modules; each of their ModuleBridges holds
 # it, so it (with its traces) lives as long as one of them does
@@ -33,29 +34,37 @@ _BRIDGES: weakref.WeakKeyDictionary[torch.nn.Module, ModuleBridge] = (
 class SharedForward(modules.Calling):
   """The forward of whichever module of one structure is being called (named by `run_for`):
   what the `Bridged` shared by structurally identical modules runs, holding none of them.
-  `reads`: the plain attributes its traces read, the only ones its calls are keyed by.
+  `reads`: the plain attributes its traces read, the only ones its calls are keyed by;
+  `slot_reads`: those of calls passed their own cache slot (`layer_slots`), the slot index aside.
 
   Example:
     >>> layer, forward = torch.nn.Linear(2, 2), SharedForward(hooks=True)
     >>> params, buffers, training = modules.module_state(layer)
-    >>> forward.run_for(layer, forward, params, buffers, training, (), (torch.ones(2),), {}).shape
+    >>> settings = modules.StateWalk(layer).settings(forward.reads)
+    >>> forward.run_for(layer, forward, params, buffers, training, settings, (torch.ones(2),),
+    ...                 {}).shape
     torch.Size([2])
   """
-  __slots__ = ("hooks", "reads")
+  __slots__ = ("hooks", "reads", "slot_reads")
 
   def __init__(self, hooks: bool) -> None:
     super().__init__()
     self.hooks = hooks
     self.reads = settings_key.ReadSettings()
+    self.slot_reads = settings_key.ReadSettings()
 
   def __call__(self, params: dict, buffers: dict, training: tuple, settings: settings_key.Settings,
                args: tuple, kwargs: dict) -> Any:
-    del settings  # read by the forward from the module itself; in the call for its cache key
+    # the settings are read by the forward from the module itself; in the call for its cache key
     module = self.module()
     with attribute_reads.attribute_reads(module) as reads:
       out = modules.module_forward(module, params, buffers, training, args, kwargs,
                                    hooks=self.hooks)
-    self.reads.add(reads)
+    if settings.reads is self.slot_reads:  # its slot index addressed only its own slot
+      found = layer_slots.slot_index(module)
+      self.slot_reads.add(reads - found[1] if found is not None else reads)
+    else:
+      self.reads.add(reads)
     return out
 
 
@@ -74,7 +83,7 @@ def shared_bridged(module: torch.nn.Module, remat: remat_policies.RematArg,
     >>> shared_bridged(a, None) is shared_bridged(b, None)
     True
   """
-  key = modules.structure_key(module, settings_by_value=False)
+  key = structure_keys.structure_key(module, settings_by_value=False)
   found = _SHARED.get((key, remat, hooks)) if key is not None else None
   if found is None:
     found = Bridged(SharedForward(hooks), remat=remat, name=type(module).__name__, lift=False)
@@ -116,6 +125,7 @@ class ModuleBridge:
     # whose module is gone is freed at once (it is held by `_BRIDGES` only, so no cycle may
     # hold it)
     self.traced = traced = [bridged]
+    self.slots = layer_slots.SlotSharing(module)
     self.outcome = fallback.Outcome(settings.name, "module",
                                     lambda: sum(b.traces for b in traced))
 
@@ -143,10 +153,18 @@ class ModuleBridge:
       if hooked is None or _any_traced((args, kwargs)):  # traced: the enclosing trace's hooks
         bridged = self._bridged(module, checkpointed)
         settings = self.state.settings(bridged.fn.reads)
-        ran, outputs = rollback.attempt(
-            lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings,
-                                       args, kwargs),
-            lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
+        passed, index = (args, kwargs), None
+        if hooked is None and not _any_traced(passed):  # with a cache: its own slot of it
+          slotted = self.slots.prepare(params, buffers, training, args, kwargs,
+                                       (settings.values, settings.host), self.settings.hooks)
+          if slotted is not None:
+            passed, index = slotted[:2], slotted[2]
+            settings = self.state.settings(bridged.fn.slot_reads)
+        with addressing(index):
+          ran, outputs = rollback.attempt(
+              lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings,
+                                         *passed),
+              lambda: ([module], []), lambda e: self._fall_back(e, (args, kwargs)))
         if ran:
           self.outcome.bridged_again()
           return outputs

@@ -18,7 +18,7 @@ from torch_xla_jaxbridge._bridge import layer_check
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._compat import torch_private, torch_xla_private, torchax_private
 from torch_xla_jaxbridge._core import (attribute_reads, call, grad_reads, modules, recompute,
-                                       runtime, sharding, tracing)
+                                       runtime, sharding, structure_keys, tracing)
 
 # The scan's bridged function, shared by layer stacks of one structure (a `_ScanLayers`: it holds
 # no layer), and kept as long as the first layer of one of them lives: each first layer holds its
@@ -110,7 +110,7 @@ class _LayerStack:
     self.layouts = [walk.walks for walk in self.walks]
     template = layers[0]
     self.template = weakref.ref(template)
-    self.structure = modules.structure_key(template, same_objects=False)
+    self.structure = structure_keys.structure_key(template, same_objects=False)
 
   def state(self) -> modules.ModuleState:
     """`(params, buffers, training)`: each parameter and buffer stacked over layers, in the graph
@@ -211,8 +211,8 @@ class StackedLayers(torch.nn.Module):
   def forward(self, carry: Any, *shared_args: Any, **shared_kwargs: Any) -> Any:
     """Runs the layers in order on `carry`; `shared_args`/`shared_kwargs` go to every layer."""
     params, buffers, training = self._walk.state()
-    bridged = _bridged_scan(self.layer, modules.structure_key(self.layer, same_objects=False),
-                            self.remat)
+    structure = structure_keys.structure_key(self.layer, same_objects=False)
+    bridged = _bridged_scan(self.layer, structure, self.remat)
     out = bridged.fn.run_for(self.layer, bridged, self.count, params, buffers, training, carry,
                              shared_args, shared_kwargs)
     layer_check.refuse_read(self.differences, bridged.fn.reads, "StackedLayers")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 
 from torch_xla_jaxbridge import errors
+from torch_xla_jaxbridge._bridge.cache_slots import CacheSlot, SlotList
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import call, plain, runtime, threads
 from torch_xla_jaxbridge._core.runtime import PyTree
@@ -94,6 +95,10 @@ class _Walk:
         return ("input", self.known[id(value)])
       self.tensors.append(value)
       return ("tensor",)
+    if isinstance(value, CacheSlot):  # the cache with only the layer's own slot in `layers`
+      return ("cache slot", _Value(value.fingerprint), self.describe(value.view(), depth))
+    if isinstance(value, SlotList):
+      return ("slots", value.length, self.describe(value.own, depth + 1))
     if type(value) not in (list, tuple, dict) and plain.is_plain(value):
       return ("plain", _Value(value))
     if depth > _DEPTH:
@@ -125,6 +130,10 @@ def _build(desc: Any, inputs: Sequence[Any], tensors: Iterator[Any],
     return set(value) if type(value) is set else value  # the copy's own, as lists and dicts
   if kind == "ref":
     return desc[1].value
+  if kind == "cache slot":
+    return _build(desc[2], inputs, tensors, device)
+  if kind == "slots":
+    return SlotList(desc[1], _build(desc[2], inputs, tensors, device))
   if kind in ("list", "tuple"):
     items = [_build(d, inputs, tensors, device) for d in desc[1]]
     return items if kind == "list" else tuple(items)
@@ -163,10 +172,10 @@ def may_hold_state(leaf: object) -> bool:
     >>> may_hold_state(3), may_hold_state(torch.nn.Linear(1, 1))
     (False, False)
   """
-  return not (isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
-              or callable(leaf)
-              or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
-              or plain.is_plain(leaf))
+  return isinstance(leaf, CacheSlot) or not (
+      isinstance(leaf, (torch.Tensor, Snapshot, Packed)) or type(leaf) in _FAST_PLAIN
+      or callable(leaf) or isinstance(leaf, _NOT_STATE) or not hasattr(leaf, "__dict__")
+      or plain.is_plain(leaf))
 
 
 def _is_cache(obj: object) -> bool:
@@ -203,7 +212,8 @@ def box(tree: PyTree) -> tuple[PyTree, list[tuple[object, Snapshot]]]:
           f"{_DEPTH} deep (or refers to itself), so its tensors cannot be passed through the "
           f"trace. Pass the tensors themselves; for a Hugging Face model in training, "
           f"use_cache=False leaves the cache out.") from None
-    if snapshot.tensors or _is_cache(leaf):  # an object without tensors stays a static value
+    # an object without tensors stays a static value
+    if snapshot.tensors or _is_cache(leaf) or isinstance(leaf, CacheSlot):
       leaves[i] = snapshot
       boxed.append((leaf, snapshot))
   return (treedef.unflatten(leaves) if boxed else tree), boxed
@@ -285,6 +295,9 @@ def write_back(boxed: Sequence[tuple[object, Snapshot]], after: Sequence[Snapsho
     1
   """
   for (obj, before), snap in zip(boxed, after):
+    if isinstance(obj, CacheSlot):  # the cache's attributes, and its layer's own slot
+      obj.write(_build(snap.state, before.tensors, iter(snap.tensors), device))
+      continue
     _fill(obj, snap.state, before.tensors, iter(snap.tensors), device)
 
 

@@ -1,15 +1,15 @@
 """What a module's forward depends on besides its inputs: its state, its structure, its modes.
 
 Bridged modules, layer stacks and `jaxify` all read a module through these: `StateWalk` (the
-current parameters and buffers by name, without walking the tree each call), `structure_key`
-(when two modules may share a trace), `attribute_differences` (when two layers may share a scan)
+current parameters and buffers by name, without walking the tree each call),
+`attribute_differences` (when two layers may share a scan)
 and `Calling` (which module a function shared by a structure runs, holding none of them).
 """
 import functools
 import operator
 import threading
 import weakref
-from typing import Any, Callable, Hashable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
@@ -36,14 +36,14 @@ def own_attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 # the plain values of a module's attributes that a trace reads as they are: a change retraces
-_SETTINGS = (bool, int, float, complex, str)
+SETTINGS = (bool, int, float, complex, str)
 Tensors = dict[str, torch.Tensor]  # tensors by full name
 ModuleState = tuple[Tensors, Tensors, tuple[bool, ...]]  # (params, buffers, training): `state()`
 
 
 def _setting_names(module: torch.nn.Module) -> tuple[str, ...]:
   """The names of a module's own attributes holding plain values (numbers, strings), sorted."""
-  return tuple(k for k, v in own_attributes(module) if type(v) in _SETTINGS)
+  return tuple(k for k, v in own_attributes(module) if type(v) in SETTINGS)
 
 
 class BridgedForward(functools.partial):
@@ -127,65 +127,6 @@ class Calling:
     if found is None:
       raise RuntimeError("a forward shared by a module structure ran outside `run_for(module)`")
     return found
-
-
-class _Same:
-  """An attribute that is not a configuration value, in a structure key: equal only to itself.
-  Held weakly where it can be (a key shared while a structure's modules live must not keep them
-  alive through an attribute that refers back to them); a dead one equals nothing."""
-  __slots__ = ("ref", "hash")
-
-  def __init__(self, value: object) -> None:
-    try:
-      self.ref: Callable[[], object] = weakref.ref(value)
-    except TypeError:  # no weak reference to it (a builtin function): held
-      self.ref = lambda: value
-    self.hash = id(value)
-
-  def __eq__(self, other: object) -> bool:
-    mine = self.ref()
-    return isinstance(other, _Same) and mine is not None and other.ref() is mine
-
-  def __hash__(self) -> int:
-    return self.hash
-
-
-def structure_key(module: torch.nn.Module, same_objects: bool = True,
-                  settings_by_value: bool = True) -> tuple | None:
-  """A hashable description of everything but the tensor values a module's forward depends on.
-  Modules with equal keys share one trace: the same classes, tensor shapes and dtypes, and
-  attributes equal by value (`plain.key(..., contents=True)`: numbers, strings, containers,
-  configuration objects by their contents) or, for anything else (a function, an object with
-  behaviour), the very same object. Without `same_objects`, a module holding such an attribute
-  has no key (None): a key that is kept forever must not keep objects alive. Without
-  `settings_by_value`, plain values (numbers, strings: `StateWalk.settings`) count by their type
-  only: the calls compare those a trace read (`ReadSettings`).
-
-  Example:
-    >>> structure_key(torch.nn.Linear(2, 3)) == structure_key(torch.nn.Linear(2, 3))
-    True
-  """
-  parts = []
-  for name, sub in module.named_modules():
-    attrs: list[tuple[str, Hashable]] = []
-    for name_, value in own_attributes(sub):
-      if isinstance(value, torch.Tensor):  # a plain tensor attribute: an input, as a buffer
-        attrs.append((name_, (torch.Tensor, tuple(value.shape), value.dtype)))
-        continue
-      if not settings_by_value and type(value) in _SETTINGS:
-        attrs.append((name_, type(value).__name__))
-        continue
-      try:
-        attrs.append((name_, plain.key(value, contents=True)))
-      except plain.NotPlain:
-        if not same_objects:
-          return None
-        attrs.append((name_, _Same(value)))
-    tables = (torch_private.parameters_table(sub), torch_private.buffers_table(sub))
-    tensors = [(k, tuple(t.shape), t.dtype) for table in tables for k, t in table.items()
-               if t is not None]
-    parts.append((name, type(sub), tuple(attrs), tuple(tensors)))
-  return tuple(parts)
 
 
 class StateWalk:

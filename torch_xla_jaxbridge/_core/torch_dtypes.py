@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._compat import torch_dispatch_private
 from torch_xla_jaxbridge._core import dtypes, runtime
 from torch_xla_jaxbridge._core.runtime import PyTree
 
@@ -51,7 +51,7 @@ def dispatcher(env: Environment) -> Callable[..., Any]:
     out = dispatch(func, types, args, kwargs)
     if (mixed := _mixed_product_dtype(func, args)) is not None:
       return _cast(env, out, [mixed], exactly=True)
-    if not (torch_private.is_op(func) or func in _FACTORIES):
+    if not (torch_dispatch_private.is_op(func) or func in _FACTORIES):
       return out
     key = (func, _signature(args), _signature(kwargs))
     try:
@@ -79,7 +79,7 @@ def _mixed_product_dtype(func: Any, args: Sequence) -> torch.dtype | None:
                 torch.nn.functional.linear else args[1:])) if isinstance(a, torch.Tensor)]
   else:
     position = _MATRIX_OPERAND.get(getattr(func, "__name__", "").partition(".")[0])
-    if position is None or not torch_private.is_op(func):
+    if position is None or not torch_dispatch_private.is_op(func):
       return None
     operands = [a for a in args[position:position + 2] if isinstance(a, torch.Tensor)]
   dtypes_ = {t.dtype for t in operands}

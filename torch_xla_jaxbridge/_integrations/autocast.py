@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from torch_xla_jaxbridge._compat import torch_private, torchax_private
+from torch_xla_jaxbridge._compat import torch_dispatch_private, torchax_private
 from torch_xla_jaxbridge._core import dtypes, runtime, threads, tracing
 
 LOWER, FP32, PROMOTE = "lower_precision_fp", "fp32", "promote"
@@ -168,7 +168,7 @@ def _dispatch(dispatch, func, types, args, kwargs):
   """
   if not getattr(_LOCAL, "tracing", 0) or _LOCAL.inside:
     return dispatch(func, types, args, kwargs)
-  is_function = not torch_private.is_op(func)
+  is_function = not torch_dispatch_private.is_op(func)
   saved = _LOCAL.state
   if is_function:
     _LOCAL.state = _live_state()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._compat import torch_private, torchax_private
+from torch_xla_jaxbridge._compat import torch_dispatch_private, torch_private, torchax_private
 from torch_xla_jaxbridge._core import runtime, tracing
 from torch_xla_jaxbridge._integrations import autograd_function
 
@@ -54,11 +54,11 @@ def run_custom_op(op: Any, args: tuple, kwargs: dict) -> Any:
   known = _KNOWN.get(name)
   if known is not None:
     return tracing.to_torchax(known(*tracing.to_jax(args), **tracing.to_jax(kwargs)))
-  has = lambda key: torch_private.has_kernel(name, key)  # noqa: E731
+  has = lambda key: torch_dispatch_private.has_kernel(name, key)  # noqa: E731
   with torchax_private.dispatch_mode(tracing.environment()):
     if has("CompositeImplicitAutograd"):
       return op.decompose(*args, **kwargs)
-    definition = torch_private.custom_op_definition(name)
+    definition = torch_dispatch_private.custom_op_definition(name)
     if definition is not None:
       return _run_definition(definition, name, args, kwargs)
     key = next((k for k in _KERNEL_KEYS if has(k)), None)
@@ -69,7 +69,7 @@ def run_custom_op(op: Any, args: tuple, kwargs: dict) -> Any:
       raise _no_lowering(name, f"its gradient comes from a kernel registered for {autograd_key}, "
                                f"which the bridge cannot read")
     try:
-      return op.redispatch(torch_private.dispatch_key_set(key), *args, **kwargs)
+      return op.redispatch(torch_dispatch_private.dispatch_key_set(key), *args, **kwargs)
     except errors.BridgeError:
       raise
     except Exception as e:
@@ -78,7 +78,7 @@ def run_custom_op(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _run_definition(definition: Any, name: str, args: tuple, kwargs: dict) -> Any:
-  implementation, setup_context, backward = torch_private.custom_op_parts(definition)
+  implementation, setup_context, backward = torch_dispatch_private.custom_op_parts(definition)
   if implementation is None:
     raise _no_lowering(name, "it has no default or XLA implementation")
   if backward is None:
@@ -105,7 +105,7 @@ def _no_lowering(name: str, why: str) -> errors.NoLoweringError:
 def _dispatch(dispatch, func, types, args, kwargs):
   """torchax's conversion of one op; an op it has no lowering for, if it is a custom op called on
   traced tensors, runs by `run_custom_op`."""
-  if not torch_private.is_op(func) or torch_private.op_namespace(func) in ("aten", "prim",
+  if not torch_dispatch_private.is_op(func) or torch_dispatch_private.op_namespace(func) in ("aten", "prim",
                                                                           "prims"):
     return dispatch(func, types, args, kwargs)
   try:
@@ -113,7 +113,7 @@ def _dispatch(dispatch, func, types, args, kwargs):
   except torchax_private.operator_not_found():
     if not any(tracing.is_traced(leaf) for leaf in torch_private.tree_leaves((args, kwargs))):
       raise
-  op = torch_private.overload_of(func, tuple(args), dict(kwargs or {}))
+  op = torch_dispatch_private.overload_of(func, tuple(args), dict(kwargs or {}))
   return run_custom_op(op, tuple(args), dict(kwargs or {}))
 
 

@@ -1,0 +1,252 @@
+"""Layers bridged by class that share one trace although each writes its own slot of a cache.
+
+A Hugging Face decoder layer called with a cache reads its `layer_idx` to address its slot
+(`cache.update(k, v, self.layer_idx)`): by what its trace reads, every layer differs, and each
+would keep a trace of its own. `SlotSharing.prepare` passes such a layer its `CacheSlot` (only its
+own slot goes through the trace, `cache_slots`) and leaves its `layer_idx` out of the key. What
+makes that sound is the fingerprint: the layer's forward run once more, on the meta device, with
+every op it dispatches recorded. Layers whose records are equal, each touching only its own slot,
+trace into one program; a layer whose `layer_idx` changes an op, or that reads another layer's
+slot, keeps its own trace (with the whole cache, as before).
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from typing import Any, Callable, Hashable
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from torch_xla_jaxbridge._bridge import stateful
+from torch_xla_jaxbridge._bridge.cache_slots import CacheSlot, addressing
+from torch_xla_jaxbridge._compat import torch_dispatch_private
+from torch_xla_jaxbridge._core import modules, plain, runtime
+
+INDEX = "layer_idx"  # the attribute by which a Hugging Face layer addresses its cache slot
+# a fingerprint's records -> its number (the key holds the number), the latest `_PRINTS_KEPT`: a
+# record dropped and met again gets a new number (its layers trace again, once)
+_PRINTS: dict[tuple, int] = {}
+_PRINTS_KEPT = 256
+_NUMBERS = itertools.count()
+_MEMO_SIZE = 8  # fingerprints a layer keeps, by call signature (a new batch shape adds one)
+
+
+def slot_index(module: torch.nn.Module) -> tuple[int, frozenset[str]] | None:
+  """`(index, paths)`: the value of the module's `layer_idx` attributes (`self_attn.layer_idx`)
+  and their paths, when it holds some and they agree; else None.
+
+  Example:
+    >>> layer = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    >>> layer[0].layer_idx = 3
+    >>> slot_index(layer)
+    (3, frozenset({'0.layer_idx'}))
+  """
+  found = {f"{prefix}.{INDEX}" if prefix else INDEX: vars(sub)[INDEX]
+           for prefix, sub in module.named_modules() if type(vars(sub).get(INDEX)) is int}
+  values = set(found.values())
+  return (values.pop(), frozenset(found)) if len(values) == 1 else None
+
+
+class SlotSharing:
+  """One layer's way of passing a Hugging Face cache: its own slot, keyed by the fingerprint of
+  its forward (kept per call signature), or the whole cache where that is not sound.
+
+  Example:
+    >>> layer = torch.nn.Linear(1, 1)
+    >>> SlotSharing(layer).prepare(dict(layer.named_parameters()), {}, (True,),
+    ...                            (torch.ones(1),), {}, ()) is None  # no cache: nothing to do
+    True
+  """
+  __slots__ = ("module", "memo")
+
+  def __init__(self, module: torch.nn.Module) -> None:
+    self.module = weakref.ref(module)
+    self.memo: dict[tuple, int | None] = {}
+
+  def prepare(self, params: dict, buffers: dict, training: tuple, args: tuple, kwargs: dict,
+              key: Hashable, hooks: bool = False) -> tuple[tuple, dict, int] | None:
+    """`(args, kwargs, index)` with the Hugging Face cache among them replaced by the layer's
+    `CacheSlot` (its slot at `index`), when the layer holds one slot index and its fingerprint is
+    known; None to call with the whole cache. `key`: the module's settings (all its plain
+    values), part of what a fingerprint is kept by; `hooks`: the module's own hooks run in its
+    bridged forward (`BridgeModule`)."""
+    jax = runtime.jax_module()
+    module = self.module()
+    leaves, treedef = jax.tree.flatten((params, buffers, args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if _is_cache(leaf)]
+    found = slot_index(module) if len(at) == 1 and module is not None else None
+    if found is None or module is None:
+      return None
+    index, cache = found[0], leaves[at[0]]
+    layers = vars(cache).get("layers") if hasattr(cache, "__dict__") else None
+    if type(layers) is not list or not 0 <= index < len(layers):
+      return None
+    signature = (key, training, index, _signature(leaves, at[0]),
+                 stateful.Snapshot.of(CacheSlot(cache, index, None)).state)
+    if signature not in self.memo:
+      if len(self.memo) >= _MEMO_SIZE:
+        self.memo.pop(next(iter(self.memo)))
+      self.memo[signature] = fingerprint(
+          lambda p, b, a, k: modules.module_forward(module, p, b, training, a, k, hooks=hooks),
+          leaves, treedef, at[0], index)
+    number = self.memo[signature]
+    if number is None:
+      return None
+    leaves[at[0]] = CacheSlot(cache, index, number)
+    _, _, args, kwargs = treedef.unflatten(leaves)
+    return args, kwargs, index
+
+
+def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
+                index: int) -> int | None:
+  """The number of the records of `run(*tree)` on meta copies of `leaves` (of `tree` by
+  `treedef`; the cache at leaf `at`, if any, as the layer's `CacheSlot` at `index`): each op
+  dispatched, its tensors named by where they came from, its other arguments by value; the
+  outputs, and the slot after the call. None where the forward cannot run on the meta device or
+  touches another slot.
+
+  Example:
+    >>> x, y = torch.ones(2), torch.ones(2)
+    >>> tree = runtime.jax_module().tree.structure(((x, y),))
+    >>> first = fingerprint(lambda a: a[0] * 2, [x, y], tree, -1, 0)
+    >>> first == fingerprint(lambda a: a[0] * 2, [x, y], tree, -1, 0)
+    True
+    >>> first == fingerprint(lambda a: a[1] * 2, [x, y], tree, -1, 0)  # the other input
+    False
+  """
+  names: dict[int, int] = {}
+  kept: list = []  # every tensor named, held until the end (an id is not reused meanwhile)
+  metas = []
+  with addressing(index):
+    for i, leaf in enumerate(leaves):
+      if i == at:
+        snap = stateful.Snapshot.of(CacheSlot(leaf, index, None))
+        leaf = stateful.materialize(stateful.Snapshot(snap.state, list(map(_meta, snap.tensors))))
+      elif isinstance(leaf, torch.Tensor):
+        leaf = _meta(leaf)
+      metas.append(leaf)
+    for leaf in runtime.jax_module().tree.leaves(metas) + _slot_tensors(metas, at):
+      if isinstance(leaf, torch.Tensor):
+        names.setdefault(id(leaf), len(names))
+        kept.append(leaf)
+    recorder = _Recorder(names, kept)
+    try:
+      with torch.no_grad(), recorder, _Constants(recorder):
+        out = run(*treedef.unflatten(metas))
+      record = (tuple(recorder.log), recorder.key(out), _slot_after(recorder, metas, at))
+    except Exception:  # noqa: BLE001  (another slot touched, no meta kernel, a value read,
+      return None  # a tensor from elsewhere: the layer keeps a trace of its own)
+  number = _PRINTS.pop(record, None)
+  _PRINTS[record] = next(_NUMBERS) if number is None else number  # the latest last
+  if len(_PRINTS) > _PRINTS_KEPT:
+    del _PRINTS[next(iter(_PRINTS))]
+  return _PRINTS[record]
+
+
+class _Unnamed(Exception):
+  """A tensor that is neither an input, made by a recorded op, nor a constant on the CPU."""
+
+
+class _Recorder(torch_dispatch_private.dispatch_mode()):  # type: ignore[misc]
+  """Records each op dispatched: `(op, arguments, outputs)`, tensors by number."""
+
+  def __init__(self, names: dict[int, int], kept: list) -> None:
+    super().__init__()
+    self.names, self.kept = names, kept
+    self.log: list[tuple] = []
+    self.constructing = False  # inside a tensor made from Python data (`_Constants` logs it)
+
+  def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                         kwargs: dict | None = None) -> Any:
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if not self.constructing:
+      self.log.append((func, self.key((args, kwargs)), self.name(out)))
+    return out
+
+  def name(self, out: Any) -> Any:
+    """`out`'s key, its new tensors numbered first."""
+    for t in runtime.jax_module().tree.leaves(out):
+      if isinstance(t, torch.Tensor) and id(t) not in self.names:
+        self.names[id(t)] = len(self.names)
+        self.kept.append(t)
+    return self.key(out)
+
+  def key(self, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+      number = self.names.get(id(value))
+      if number is None and value.device.type == "cpu":  # made from Python values: by value
+        return ("c", tuple(value.shape), value.dtype,
+                bytes(value.detach().reshape(-1).contiguous().view(torch.uint8).tolist()))
+      if number is None:
+        raise _Unnamed(f"a {value.device.type} tensor the layer's inputs do not hold")
+      return ("t", number, tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+      return tuple(self.key(v) for v in value)
+    if isinstance(value, dict):
+      return tuple((k, self.key(v)) for k, v in value.items())
+    if hasattr(value, "__array__") and not plain.is_plain(value):  # a NumPy array: by value
+      array = np.asarray(value)
+      return ("a", array.shape, str(array.dtype), array.tobytes())
+    return plain.key(value) if plain.is_plain(value) else type(value).__qualname__
+
+
+class _Constants(TorchFunctionMode):
+  """Logs each tensor made from Python data (`torch.tensor(...)`), its data by value: on the
+  meta device the data is gone, and the ops it dispatches see a tensor from nowhere."""
+
+  def __init__(self, recorder: _Recorder) -> None:
+    super().__init__()
+    self.recorder = recorder
+
+  def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                         kwargs: dict | None = None) -> Any:
+    kwargs = kwargs or {}
+    if func not in _FROM_DATA:
+      return func(*args, **kwargs)
+    recorder = self.recorder
+    before, recorder.constructing = recorder.constructing, True
+    try:
+      out = func(*args, **kwargs)
+    finally:
+      recorder.constructing = before
+    recorder.log.append((func.__name__, recorder.key((args, kwargs)), recorder.name(out)))
+    return out
+
+
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy,
+              torch.Tensor.new_tensor}
+
+
+def _slot_after(recorder: _Recorder, metas: list, at: int) -> Any:
+  """The slot's state after the call, its tensors by number."""
+  if at < 0:
+    return None
+  snap = stateful.Snapshot.of(metas[at].layers.own)
+  return snap.state, recorder.key(snap.tensors)
+
+
+def _slot_tensors(metas: list, at: int) -> list:
+  if at < 0:
+    return []
+  return stateful.Snapshot.of(metas[at].layers.own).tensors
+
+
+def _signature(leaves: list, at: int) -> tuple:
+  """The call's arguments but the cache: tensors by shape, dtype and whether they need grad."""
+  return tuple(
+      (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+      else plain.key(x) if plain.is_plain(x) else id(x)
+      for i, x in enumerate(leaves) if i != at)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+  return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _is_cache(obj: object) -> bool:
+  cache_utils = sys.modules.get("transformers.cache_utils")
+  return cache_utils is not None and isinstance(obj, cache_utils.Cache)

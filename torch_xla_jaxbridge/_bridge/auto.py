@@ -154,7 +154,8 @@ class ModuleBridge:
         bridged = self._bridged(module, checkpointed)
         settings = self.state.settings(bridged.fn.reads)
         passed, index = (args, kwargs), None
-        if hooked is None and not _any_traced(passed):  # with a cache: its own slot of it
+        if (hooked is None and layer_slots.has_cache(args, kwargs)
+            and not _any_traced(passed)):  # with a cache: its own slot of it
           slotted = self.slots.prepare(params, buffers, training, args, kwargs,
                                        (settings.values, settings.host), self.settings.hooks)
           if slotted is not None:

@@ -69,16 +69,17 @@ class SlotSharing:
   def prepare(self, params: dict, buffers: dict, training: tuple, args: tuple, kwargs: dict,
               key: Hashable, hooks: bool = False) -> tuple[tuple, dict, int] | None:
     """`(args, kwargs, index)` with the Hugging Face cache among them replaced by the layer's
-    `CacheSlot` (its slot at `index`), when the layer holds one slot index and its fingerprint is
-    known; None to call with the whole cache. `key`: the module's settings (all its plain
+    `CacheSlot` (its slot at `index`), when the cache is an argument itself, the layer holds one
+    slot index and its fingerprint is known; None to call as given. `key`: the module's settings (all its plain
     values), part of what a fingerprint is kept by; `hooks`: the module's own hooks run in its
     bridged forward (`BridgeModule`)."""
-    jax = runtime.jax_module()
     module = self.module()
-    leaves, treedef = jax.tree.flatten((params, buffers, args, kwargs))
+    if module is None or not has_cache(args, kwargs):
+      return None
+    leaves, treedef = runtime.jax_module().tree.flatten((params, buffers, args, kwargs))
     at = [i for i, leaf in enumerate(leaves) if _is_cache(leaf)]
-    found = slot_index(module) if len(at) == 1 and module is not None else None
-    if found is None or module is None:
+    found = slot_index(module) if len(at) == 1 else None
+    if found is None:
       return None
     index, cache = found[0], leaves[at[0]]
     layers = vars(cache).get("layers") if hasattr(cache, "__dict__") else None
@@ -98,6 +99,17 @@ class SlotSharing:
     leaves[at[0]] = CacheSlot(cache, index, number)
     _, _, args, kwargs = treedef.unflatten(leaves)
     return args, kwargs, index
+
+
+def has_cache(args: tuple, kwargs: dict) -> bool:
+  """Whether an argument is a Hugging Face cache itself, as Hugging Face passes it (no walk of
+  the arguments: a call without one costs a look at each).
+
+  Example:
+    >>> has_cache((torch.ones(1),), {"past_key_values": None})
+    False
+  """
+  return any(map(_is_cache, (*args, *kwargs.values())))
 
 
 def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,

@@ -146,35 +146,66 @@ def test_hugging_face_layers_share_one_trace_with_or_without_a_cache(use_cache):
     torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=2e-5)
 
 
-class CacheLayer(torch.nn.Module):
-  """Writes its slot of a Hugging Face cache; `reads_other` also reads the slot before its own,
-  `scaled` doubles its output at odd `layer_idx` (an op its index decides), `shifted` adds its
-  constants made from its `layer_idx` (values its index decides)."""
+class _ScaledGradient(torch.autograd.Function):
+  """The identity, whose backward scales the gradient by `s` (as a gradient reversal does)."""
 
-  def __init__(self, layer_idx, reads_other=False, scaled=False, shifted=False):
+  @staticmethod
+  def forward(ctx, x, s):
+    ctx.s = s
+    return x.view_as(x)
+
+  @staticmethod
+  def backward(ctx, grad):
+    return grad * ctx.s, None
+
+
+class CacheLayer(torch.nn.Module):
+  """Writes its slot of a Hugging Face cache, and by `mode`: "reads_other" also reads the slot
+  before its own ("catches": and catches the error that raises); "scaled" doubles its output at
+  odd `layer_idx` (an op its index decides); "shifted" adds constants made from its `layer_idx`;
+  "function" scales its input's gradient by `layer_idx + 1` in a `torch.autograd.Function`'s
+  backward; "grad_branch" scales by its index only where its input requires grad; "marks_cache"
+  sets an attribute of the cache; "lazy" makes a tensor attribute at its first call."""
+
+  def __init__(self, layer_idx, mode=None):
     super().__init__()
     self.proj = torch.nn.Linear(8, 8)
-    self.layer_idx, self.reads_other, self.scaled = layer_idx, reads_other, scaled
-    self.shifted = shifted
+    self.layer_idx, self.mode, self.mask = layer_idx, mode, None
 
   def forward(self, x, cache):
+    i, mode = self.layer_idx, self.mode
+    if mode == "function":
+      x = _ScaledGradient.apply(x, float(i + 1))
     k = self.proj(x)
-    keys, _ = cache.update(k[:, None], k[:, None], self.layer_idx)
+    if mode == "grad_branch" and k.requires_grad:
+      k = k * (1.0 + i)
+    keys, _ = cache.update(k[:, None], k[:, None], i)
     y = torch.tanh(keys[:, 0])
-    if self.reads_other and self.layer_idx > 0:
-      y = y + cache.layers[self.layer_idx - 1].keys[:, 0]
-    if self.scaled and self.layer_idx % 2:
+    if mode == "reads_other" and i > 0:
+      y = y + cache.layers[i - 1].keys[:, 0]
+    if mode == "catches" and i > 0:
+      try:
+        y = y + cache.layers[i - 1].keys[:, 0]
+      except Exception:  # noqa: BLE001  (what a layer reaching for optional state may do)
+        pass
+    if mode == "scaled" and i % 2:
       y = y * 2
-    if self.shifted:  # a constant made on the input's device and one on the CPU
-      y = y + torch.tensor(float(self.layer_idx), device=y.device)
-      y = y - torch.tensor(self.layer_idx / 2)
+    if mode == "shifted":  # a constant made on the input's device and one on the CPU
+      y = y + torch.tensor(float(i), device=y.device)
+      y = y - torch.tensor(i / 2)
+    if mode == "marks_cache":
+      cache.last_layer = i == len(cache.layers) - 1
+    if mode == "lazy":
+      if self.mask is None:
+        self.mask = torch.ones_like(y)
+      y = y * self.mask
     return x + y
 
 
 class CacheStack(torch.nn.Module):
-  def __init__(self, layers=4, **kwargs):
+  def __init__(self, layers=4, mode=None):
     super().__init__()
-    self.layers = torch.nn.ModuleList(CacheLayer(i, **kwargs) for i in range(layers))
+    self.layers = torch.nn.ModuleList(CacheLayer(i, mode) for i in range(layers))
 
   def forward(self, x):
     cache = transformers.DynamicCache(
@@ -184,10 +215,11 @@ class CacheStack(torch.nn.Module):
     return x, cache
 
 
-def _cache_stack_against_eager(passes=2, **kwargs):
-  """Outputs, gradients and every cache slot equal eager's over `passes` calls; the traces."""
+def _cache_stack_against_eager(mode=None, passes=2):
+  """Outputs, gradients, every cache slot and the cache's attribute equal eager's over `passes`
+  calls; no module keeps a meta tensor; the traces."""
   torch.manual_seed(0)
-  eager = CacheStack(**kwargs)
+  eager = CacheStack(mode=mode)
   moved = copy.deepcopy(eager).to("xla")
   jb.bridge_modules(moved, ["CacheLayer"])
   jb.clear_cache()
@@ -206,6 +238,8 @@ def _cache_stack_against_eager(passes=2, **kwargs):
       assert mine.keys.device.type == "xla" and mine.is_initialized
       torch.testing.assert_close(mine.keys.detach().cpu(), theirs.keys.detach())
       torch.testing.assert_close(mine.values.detach().cpu(), theirs.values.detach())
+    assert getattr(cache, "last_layer", None) == getattr(expected_cache, "last_layer", None)
+    assert all(layer.mask is None or layer.mask.device.type == "xla" for layer in moved.layers)
   return jb.cache_info().misses
 
 
@@ -221,14 +255,73 @@ def test_layers_writing_their_own_cache_slot_share_one_trace():
 
 def test_layers_whose_index_changes_an_op_share_only_with_alike_layers():
   # odd layers double their output: layers 0 and 2 share one trace, 1 and 3 another
-  assert _cache_stack_against_eager(scaled=True) == 4
+  assert _cache_stack_against_eager("scaled") == 4
 
 
 def test_layers_whose_index_makes_a_constant_keep_their_own_traces():
-  assert _cache_stack_against_eager(shifted=True) == 8
+  assert _cache_stack_against_eager("shifted") == 8
 
 
 def test_a_layer_reading_another_layers_slot_is_passed_the_whole_cache():
   # each layer after the first reads the slot before its own: traced with the whole cache, each
   # layer its own trace each way (as before slots were shared)
-  assert _cache_stack_against_eager(reads_other=True) == 8
+  assert _cache_stack_against_eager("reads_other") == 8
+
+
+def test_a_layer_catching_the_error_of_another_slot_is_passed_the_whole_cache():
+  assert _cache_stack_against_eager("catches") == 8  # layer 0 reads no other slot: its own
+
+
+@pytest.mark.parametrize("mode", ["function", "grad_branch"])
+def test_layers_differing_only_in_their_backward_or_by_grad_keep_their_own_traces(mode):
+  # a Function's backward records no op (each layer keeps its whole-cache trace); a branch on
+  # requires_grad is taken in the fingerprint as in the trace (the scale is an op's argument)
+  assert _cache_stack_against_eager(mode) == 8
+
+
+def test_a_layer_setting_a_cache_attribute_writes_back_its_own_value():
+  # layer 3 marks the cache as its last (its own trace); layers 1 and 2 see the mark layer 0 set
+  assert _cache_stack_against_eager("marks_cache") == 6
+
+
+def test_the_fingerprint_leaves_no_attribute_behind():
+  # the lazily made tensor is kept outside the trace: the layers fall back, with eager's values
+  _cache_stack_against_eager("lazy")
+  report = jb.bridge_report()
+  assert [report.row(f"layers.{i}").status for i in range(4)] == ["fallback"] * 4
+
+
+class WindowLayer(torch.nn.Module):
+  """Keeps its slot's last `layer_idx + 1` entries: a window its index decides, read only once
+  the slot is longer."""
+
+  def __init__(self, layer_idx):
+    super().__init__()
+    self.proj = torch.nn.Linear(8, 8)
+    self.layer_idx = layer_idx
+
+  def forward(self, x, cache):
+    k = self.proj(x)[:, None]
+    keys, _ = cache.update(k, k, self.layer_idx)
+    if keys.shape[1] > self.layer_idx + 1:
+      keys = keys[:, -(self.layer_idx + 1):]
+    return x + torch.tanh(keys.sum(1))
+
+
+def test_a_growing_slot_is_fingerprinted_again_at_each_length():
+  torch.manual_seed(0)
+  eager = torch.nn.ModuleList(WindowLayer(i) for i in range(3))
+  moved = copy.deepcopy(eager).to("xla")
+  jb.bridge_modules(moved, ["WindowLayer"])
+  caches = [transformers.DynamicCache(config=transformers.LlamaConfig(num_hidden_layers=3))
+            for _ in range(2)]
+  with torch.no_grad():
+    for _ in range(3):  # slot lengths 1, 2, 3: the windows start cutting one layer at a time
+      x = torch.randn(2, 8)
+      outs = []
+      for layers, cache, device in ((eager, caches[0], "cpu"), (moved, caches[1], "xla")):
+        h = x.to(device)
+        for layer in layers:
+          h = layer(h, cache)
+        outs.append(h.cpu())
+      torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

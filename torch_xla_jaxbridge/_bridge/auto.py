@@ -16,10 +16,10 @@ from typing import Any, Iterable, Iterator, Literal
 import torch
 
 from torch_xla_jaxbridge import errors
-from torch_xla_jaxbridge._bridge import captures, fallback, hf_checkpointing, layer_slots, rollback
+from torch_xla_jaxbridge._bridge import (cache_slots, captures, fallback, hf_checkpointing,
+                                         layer_slots, rollback)
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge.bridging import Bridged, _any_traced, off_xla, one_tensor
-from torch_xla_jaxbridge._bridge.cache_slots import addressing
 from torch_xla_jaxbridge._compat import torch_private
 from torch_xla_jaxbridge._core import attribute_reads, hooks, modules, settings_key, structure_keys
 
@@ -61,6 +61,8 @@ class SharedForward(modules.Calling):
       out = modules.module_forward(module, params, buffers, training, args, kwargs,
                                    hooks=self.hooks)
     if settings.reads is self.slot_reads:  # its slot index addressed only its own slot
+      if cache_slots.violated():  # it reached another slot and caught the error: not traced
+        raise cache_slots.OtherSlotTouched(f"{type(module).__name__} read another cache slot")
       found = layer_slots.slot_index(module)
       self.slot_reads.add(reads - found[1] if found is not None else reads)
     else:
@@ -161,7 +163,7 @@ class ModuleBridge:
           if slotted is not None:
             passed, index = slotted[:2], slotted[2]
             settings = self.state.settings(bridged.fn.slot_reads)
-        with addressing(index):
+        with cache_slots.addressing(index):
           ran, outputs = rollback.attempt(
               lambda: bridged.fn.run_for(module, bridged, params, buffers, training, settings,
                                          *passed),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 _LOCAL = threading.local()  # .index: the slot index of the layer being called (`addressing`)
 
@@ -84,8 +84,8 @@ class SlotList:
 
   def _check(self, i: object) -> None:
     if type(i) is not int or self.index is None or i != self.index:
-      raise OtherSlotTouched(f"the layer at index {self.index} read the cache's layers[{i!r}], "
-                             f"another layer's slot")
+      _refuse(f"the layer at index {self.index} read the cache's layers[{i!r}], another "
+              f"layer's slot")
 
   def __getitem__(self, i: object) -> Any:
     self._check(i)
@@ -96,10 +96,32 @@ class SlotList:
     self.own = value
 
   def __iter__(self) -> Iterator[Any]:
-    raise OtherSlotTouched(f"the layer at index {self.index} went through every cache slot")
+    _refuse(f"the layer at index {self.index} went through every cache slot")
 
   def __getattr__(self, name: str) -> Any:  # append, extend, index, ...: the whole list
-    raise OtherSlotTouched(f"the layer at index {self.index} used the cache's layers.{name}")
+    _refuse(f"the layer at index {self.index} used the cache's layers.{name}")
+
+
+def _refuse(message: str) -> NoReturn:
+  """Raises `OtherSlotTouched`, noting it for `violated` (code that catches it still counts)."""
+  _LOCAL.violated = True
+  raise OtherSlotTouched(message)
+
+
+def violated() -> bool:
+  """Whether a `SlotList` was reached past its own slot inside the innermost `addressing` block,
+  even where the code caught the error.
+
+  Example:
+    >>> with addressing(1):
+    ...   try:
+    ...     SlotList(2, "slot")[0]
+    ...   except OtherSlotTouched:
+    ...     pass
+    ...   violated()
+    True
+  """
+  return bool(getattr(_LOCAL, "violated", False))
 
 
 @contextlib.contextmanager
@@ -112,9 +134,9 @@ def addressing(index: int | None) -> Iterator[None]:
     ...   SlotList(1, "slot")[0]
     'slot'
   """
-  before = getattr(_LOCAL, "index", None)
-  _LOCAL.index = index
+  before = getattr(_LOCAL, "index", None), getattr(_LOCAL, "violated", False)
+  _LOCAL.index, _LOCAL.violated = index, False
   try:
     yield
   finally:
-    _LOCAL.index = before
+    _LOCAL.index, _LOCAL.violated = before

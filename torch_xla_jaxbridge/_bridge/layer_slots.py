@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torch_xla_jaxbridge._bridge import stateful
-from torch_xla_jaxbridge._bridge.cache_slots import CacheSlot, addressing
+from torch_xla_jaxbridge._bridge import rollback, stateful
+from torch_xla_jaxbridge._bridge.cache_slots import CacheSlot, addressing, violated
 from torch_xla_jaxbridge._compat import torch_dispatch_private
 from torch_xla_jaxbridge._core import modules, plain, runtime
 
@@ -85,14 +85,18 @@ class SlotSharing:
     layers = vars(cache).get("layers") if hasattr(cache, "__dict__") else None
     if type(layers) is not list or not 0 <= index < len(layers):
       return None
-    signature = (key, training, index, _signature(leaves, at[0]),
-                 stateful.Snapshot.of(CacheSlot(cache, index, None)).state)
+    arguments = _signature(leaves, at[0])
+    if arguments is None:
+      return None
+    view = stateful.Snapshot.of(CacheSlot(cache, index, None))
+    signature = (key, training, index, torch.is_grad_enabled(), arguments, view.state,
+                 tuple((tuple(t.shape), t.dtype) for t in view.tensors))
     if signature not in self.memo:
       if len(self.memo) >= _MEMO_SIZE:
         self.memo.pop(next(iter(self.memo)))
       self.memo[signature] = fingerprint(
           lambda p, b, a, k: modules.module_forward(module, p, b, training, a, k, hooks=hooks),
-          leaves, treedef, at[0], index)
+          leaves, treedef, at[0], index, rollback.Snapshot([module], []).restore)
     number = self.memo[signature]
     if number is None:
       return None
@@ -113,12 +117,15 @@ def has_cache(args: tuple, kwargs: dict) -> bool:
 
 
 def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
-                index: int) -> int | None:
+                index: int, restore: Callable[[], Any] | None = None) -> int | None:
   """The number of the records of `run(*tree)` on meta copies of `leaves` (of `tree` by
-  `treedef`; the cache at leaf `at`, if any, as the layer's `CacheSlot` at `index`): each op
-  dispatched, its tensors named by where they came from, its other arguments by value; the
-  outputs, and the slot after the call. None where the forward cannot run on the meta device or
-  touches another slot.
+  `treedef`; the cache at leaf `at`, if any, as the layer's `CacheSlot` at `index`), run in the
+  current grad mode with each copy requiring grad as its leaf does: each op dispatched, its
+  tensors named by where they came from, its other arguments by value (floats by their bits);
+  the outputs, and the cache's state after the call. None where the forward cannot run on the
+  meta device, touches another slot (even where it catches the error), or reaches an output
+  through a custom `torch.autograd.Function` (whose backward no op records). `restore()`, given,
+  runs after (what the run changed on the host put back).
 
   Example:
     >>> x, y = torch.ones(2), torch.ones(2)
@@ -127,6 +134,9 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
     >>> first == fingerprint(lambda a: a[0] * 2, [x, y], tree, -1, 0)
     True
     >>> first == fingerprint(lambda a: a[1] * 2, [x, y], tree, -1, 0)  # the other input
+    False
+    >>> first == fingerprint(lambda a: a[0] * -0.0 + 2, [x, y], tree, -1, 0) == (
+    ...     fingerprint(lambda a: a[0] * 0.0 + 2, [x, y], tree, -1, 0))
     False
   """
   names: dict[int, int] = {}
@@ -140,22 +150,43 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
       elif isinstance(leaf, torch.Tensor):
         leaf = _meta(leaf)
       metas.append(leaf)
-    for leaf in runtime.jax_module().tree.leaves(metas) + _slot_tensors(metas, at):
+    for leaf in runtime.jax_module().tree.leaves(metas) + _cache_tensors(metas, at):
       if isinstance(leaf, torch.Tensor):
         names.setdefault(id(leaf), len(names))
         kept.append(leaf)
     recorder = _Recorder(names, kept)
     try:
-      with torch.no_grad(), recorder, _Constants(recorder):
+      with recorder, _Constants(recorder):
         out = run(*treedef.unflatten(metas))
-      record = (tuple(recorder.log), recorder.key(out), _slot_after(recorder, metas, at))
+      record = (tuple(recorder.log), recorder.key(out), _cache_after(recorder, metas, at))
+      if violated() or _through_functions((out, _cache_tensors(metas, at))):
+        return None
     except Exception:  # noqa: BLE001  (another slot touched, no meta kernel, a value read,
       return None  # a tensor from elsewhere: the layer keeps a trace of its own)
+    finally:
+      if restore is not None:
+        restore()
   number = _PRINTS.pop(record, None)
   _PRINTS[record] = next(_NUMBERS) if number is None else number  # the latest last
   if len(_PRINTS) > _PRINTS_KEPT:
     del _PRINTS[next(iter(_PRINTS))]
   return _PRINTS[record]
+
+
+def _through_functions(tree: Any) -> bool:
+  """Whether a tensor of `tree` was computed through a custom `torch.autograd.Function`."""
+  todo: list = [t.grad_fn for t in runtime.jax_module().tree.leaves(tree)
+          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+  seen: dict[int, Any] = {}  # each node held: its Python object is made per read, and an id
+  while todo:                # is reused once one is gone
+    node = todo.pop()
+    if node is None or id(node) in seen:
+      continue
+    seen[id(node)] = node
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+      return True
+    todo.extend(next_node for next_node, _ in node.next_functions)
+  return False
 
 
 class _Unnamed(Exception):
@@ -199,11 +230,17 @@ class _Recorder(torch_dispatch_private.dispatch_mode()):  # type: ignore[misc]
     if isinstance(value, (list, tuple)):
       return tuple(self.key(v) for v in value)
     if isinstance(value, dict):
-      return tuple((k, self.key(v)) for k, v in value.items())
+      return tuple((self.key(k), self.key(v)) for k, v in value.items())
+    if type(value) is float:  # by its bits: -0.0 is not 0.0
+      return (float, value.hex())
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+      return (type(value), str(value))
     if hasattr(value, "__array__") and not plain.is_plain(value):  # a NumPy array: by value
       array = np.asarray(value)
       return ("a", array.shape, str(array.dtype), array.tobytes())
-    return plain.key(value) if plain.is_plain(value) else type(value).__qualname__
+    if not plain.is_plain(value):  # an object (a generator, a function): not by value
+      raise _Unnamed(f"a {type(value).__name__} passed to an op")
+    return plain.key(value)
 
 
 class _Constants(TorchFunctionMode):
@@ -233,30 +270,36 @@ _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy,
               torch.Tensor.new_tensor}
 
 
-def _slot_after(recorder: _Recorder, metas: list, at: int) -> Any:
-  """The slot's state after the call, its tensors by number."""
+def _cache_after(recorder: _Recorder, metas: list, at: int) -> Any:
+  """The cache's state after the call (its attributes and the slot), its tensors by number."""
   if at < 0:
     return None
-  snap = stateful.Snapshot.of(metas[at].layers.own)
+  snap = stateful.Snapshot.of(metas[at])
   return snap.state, recorder.key(snap.tensors)
 
 
-def _slot_tensors(metas: list, at: int) -> list:
-  if at < 0:
-    return []
-  return stateful.Snapshot.of(metas[at].layers.own).tensors
+def _cache_tensors(metas: list, at: int) -> list:
+  return stateful.Snapshot.of(metas[at]).tensors if at >= 0 else []
 
 
-def _signature(leaves: list, at: int) -> tuple:
-  """The call's arguments but the cache: tensors by shape, dtype and whether they need grad."""
-  return tuple(
-      (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
-      else plain.key(x) if plain.is_plain(x) else id(x)
-      for i, x in enumerate(leaves) if i != at)
+def _signature(leaves: list, at: int) -> tuple | None:
+  """The call's arguments but the cache: tensors by shape, dtype and whether they need grad,
+  plain values by value; None where one is another object (not kept by identity: an id is
+  reused once the object is gone)."""
+  found: list = []
+  for i, x in enumerate(leaves):
+    if isinstance(x, torch.Tensor):
+      found.append((tuple(x.shape), x.dtype, x.requires_grad))
+    elif i != at:
+      if not plain.is_plain(x):
+        return None
+      found.append(plain.key(x))
+  return tuple(found)
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:
-  return torch.empty(t.shape, dtype=t.dtype, device="meta")
+  return torch.empty(t.shape, dtype=t.dtype, device="meta",
+                     requires_grad=t.requires_grad and t.is_floating_point())
 
 
 def _is_cache(obj: object) -> bool:

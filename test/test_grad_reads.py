@@ -188,3 +188,47 @@ def test_a_tensor_hook_in_bridged_code_falls_back_and_runs_as_in_plain():
     out = model(torch.ones(1, 2, device="xla"))
   out.sum().backward()
   assert seen == [2.0]
+
+
+class FrozenProj(torch.nn.Module):
+  """`proj` runs under a grad-off block inside the forward: torch records none of it."""
+
+  def __init__(self, block):
+    super().__init__()
+    self.proj, self.block = torch.nn.Linear(4, 4), block
+
+  def forward(self, x):
+    with self.block():
+      k = self.proj(x)
+    return x + torch.tanh(k)
+
+
+@pytest.mark.parametrize("block", [torch.no_grad, lambda: torch.set_grad_enabled(False),
+                                   torch.inference_mode], ids=["no_grad", "set_grad", "inference"])
+@pytest.mark.parametrize("entry", ["BridgeModule", "bridge_modules", "bridge", "train_step"])
+def test_what_a_no_grad_block_computes_gets_no_gradient_as_in_eager(entry, block):
+  """The block's results carry no gradient into JAX's vjp: the input's gradient is eager's, and
+  `proj`'s parameters, used only there, get none (zeros, or None as in eager)."""
+  torch.manual_seed(0)
+  eager, x = FrozenProj(block), torch.randn(2, 4)
+  x_eager = x.clone().requires_grad_()
+  eager(x_eager).square().sum().backward()
+  assert eager.proj.weight.grad is None
+  model = copy.deepcopy(eager).to("xla")
+  x_xla = x.to("xla").requires_grad_()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jb.errors.FallbackWarning)  # bridged, not fallen back
+    if entry == "train_step":
+      loss = lambda t: model(t).square().sum()  # noqa: E731
+      step = jb.train_step(loss, jb.optim.SGD(model.parameters(), lr=1.0))
+      before = model.proj.weight.detach().cpu().clone()
+      step(x_xla)
+      torch.testing.assert_close(model.proj.weight.detach().cpu(), before)  # no gradient: kept
+      return
+    if entry == "bridge_modules":
+      jb.bridge_modules(model, [FrozenProj])
+    call = model if entry == "bridge_modules" else ENTRIES[entry](model)
+    call(x_xla).square().sum().backward()
+  torch.testing.assert_close(x_xla.grad.cpu(), x_eager.grad)
+  for p in model.proj.parameters():
+    assert p.grad is None or not p.grad.cpu().any()

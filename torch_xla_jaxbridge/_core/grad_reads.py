@@ -11,16 +11,21 @@ them; the outputs of a region traced as a function of arrays (a remat, a conditi
 checkpoint) answer as its inputs do (`like`). Only the answer is torch's: its autograd records
 nothing (the gradients are JAX's). A tensor answers from an attribute (`MARK`), to all code but
 torch's and torchax's own, which read torch's flag (`torchax_private.report_requires_grad`).
+Where the traced code turns grad mode off itself (`torch.no_grad()`, `set_grad_enabled(False)`,
+`inference_mode()`) inside a call made with it on, what ops compute there is cut from JAX's
+gradients (`jax.lax.stop_gradient`), as torch's autograd records none of it (`dispatcher`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
 
-from torch_xla_jaxbridge._compat import torch_private
+from torch_xla_jaxbridge._compat import torch_private, torchax_private
+from torch_xla_jaxbridge._core import runtime
 
 MARK = "bridge_requires_grad"  # the attribute a traced tensor answers `requires_grad` from
 # ops whose results never require grad in torch, whatever their inputs
@@ -28,6 +33,7 @@ _NOT_DIFFERENTIABLE = frozenset(
     ["detach", "detach_", "requires_grad_", "zeros_like", "ones_like", "empty_like", "full_like",
      "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full",
      "new_tensor"])
+_TRACE = threading.local()  # grad_on: the grad mode of the call the running trace stands for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +83,13 @@ def entered(caller: Caller, tensors: dict[int, torch.Tensor]) -> Iterator[None]:
   for array_id in caller.requiring:
     if array_id in tensors:
       mark(tensors[array_id])
-  with torch.set_grad_enabled(caller.grad_enabled):
-    yield
+  outer = getattr(_TRACE, "grad_on", False)
+  _TRACE.grad_on = caller.grad_enabled
+  try:
+    with torch.set_grad_enabled(caller.grad_enabled):
+      yield
+  finally:
+    _TRACE.grad_on = outer
 
 
 def like(outputs: Any, inputs: Any) -> Any:
@@ -126,7 +137,8 @@ def _any_marked(args: Any, kwargs: dict | None) -> bool:
 def dispatcher(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict | None) -> Any:
   """A dispatch wrapper: torchax's conversion of one op, its floating-point results marked as
   requiring grad when grad mode is on and one of its tensors is (not for an op whose results
-  never require grad in torch: `detach`, `zeros_like`, ...).
+  never require grad in torch: `detach`, `zeros_like`, ...); with grad mode turned off inside a
+  trace of a call made with it on, its new floating-point results cut from JAX's gradients.
 
   Example (the bridge's environment has it):
     >>> import jax
@@ -138,7 +150,23 @@ def dispatcher(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dic
     (True, False, False)
   """
   out = dispatch(func, types, args, kwargs)
-  if (torch.is_grad_enabled() and _any_marked(args, kwargs)
-      and getattr(func, "__name__", "").split(".")[0] not in _NOT_DIFFERENTIABLE):
+  if not torch.is_grad_enabled():
+    if getattr(_TRACE, "grad_on", False):  # `torch.no_grad()` inside the traced code
+      _stop_floats(out if isinstance(out, (list, tuple)) else (out,), args, kwargs)
+  elif (_any_marked(args, kwargs)
+        and getattr(func, "__name__", "").split(".")[0] not in _NOT_DIFFERENTIABLE):
     _mark_floats(out if isinstance(out, (list, tuple)) else (out,))
   return out
+
+
+def _stop_floats(values: Any, args: Any, kwargs: dict | None) -> None:
+  """The floating-point torchax tensors among `values` that are none of the op's arguments (an
+  in-place op's result is left as it is), their arrays wrapped in `jax.lax.stop_gradient`."""
+  import torchax.tensor
+
+  jax = runtime.jax_module()
+  given = {id(a) for a in torch_private.tree_leaves((args, kwargs or {}))}
+  for value in values:
+    if (type(value) is torchax.tensor.Tensor and id(value) not in given
+        and (value.dtype.is_floating_point or value.dtype.is_complex)):
+      torchax_private.set_array(value, jax.lax.stop_gradient(value.jax()))

@@ -70,9 +70,9 @@ class SlotSharing:
               key: Hashable, hooks: bool = False) -> tuple[tuple, dict, int] | None:
     """`(args, kwargs, index)` with the Hugging Face cache among them replaced by the layer's
     `CacheSlot` (its slot at `index`), when the cache is an argument itself, the layer holds one
-    slot index and its fingerprint is known; None to call as given. `key`: the module's settings (all its plain
-    values), part of what a fingerprint is kept by; `hooks`: the module's own hooks run in its
-    bridged forward (`BridgeModule`)."""
+    slot index and its fingerprint is known; None to call as given. `key`: the module's settings
+    (all its plain values), part of what a fingerprint is kept by; `hooks`: the module's own
+    hooks run in its bridged forward (`BridgeModule`)."""
     module = self.module()
     if module is None or not has_cache(args, kwargs):
       return None

@@ -92,6 +92,26 @@ def entered(caller: Caller, tensors: dict[int, torch.Tensor]) -> Iterator[None]:
     _TRACE.grad_on = outer
 
 
+@contextlib.contextmanager
+def function_forward() -> Iterator[None]:
+  """Grad mode off, as torch runs an autograd Function's forward; what the forward computes is
+  not cut from JAX's gradients (`dispatcher`): the Function's backward gives its gradient, and
+  code inside may differentiate itself (upstream's `assume_pure` runs `jax.vjp` there).
+
+  Example:
+    >>> with entered(Caller(True), {}), function_forward():
+    ...   torch.is_grad_enabled(), _TRACE.grad_on
+    (False, False)
+  """
+  outer = getattr(_TRACE, "grad_on", False)
+  _TRACE.grad_on = False
+  try:
+    with torch.no_grad():
+      yield
+  finally:
+    _TRACE.grad_on = outer
+
+
 def like(outputs: Any, inputs: Any) -> Any:
   """`outputs` (a pytree), with its floating-point tensors marked as requiring grad when grad
   mode is on and one of the tensors of `inputs` is: a region's results as torch's autograd would

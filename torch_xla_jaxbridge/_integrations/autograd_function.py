@@ -140,7 +140,7 @@ def custom_gradient(name: str, forward: Callable, backward: Callable, args: tupl
   def run_forward(arrays):
     ctx = Context(needs_grad)
     # JAX traces it again outside the bridged call under remat; grad mode off, as torch runs it
-    with tracing.torch_code(), torch.no_grad():
+    with tracing.torch_code(), grad_reads.function_forward():
       outputs, static["outputs"] = _split(forward(ctx, *_join(arrays, input_layout)))
     return ctx, outputs
 

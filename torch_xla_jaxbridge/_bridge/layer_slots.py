@@ -12,7 +12,6 @@ slot, keeps its own trace (with the whole cache, as before).
 from __future__ import annotations
 
 import itertools
-import sys
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -77,7 +76,7 @@ class SlotSharing:
     if module is None or not has_cache(args, kwargs):
       return None
     leaves, treedef = runtime.jax_module().tree.flatten((params, buffers, args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if _is_cache(leaf)]
+    at = [i for i, leaf in enumerate(leaves) if stateful.is_cache(leaf)]
     found = slot_index(module) if len(at) == 1 else None
     if found is None:
       return None
@@ -113,7 +112,7 @@ def has_cache(args: tuple, kwargs: dict) -> bool:
     >>> has_cache((torch.ones(1),), {"past_key_values": None})
     False
   """
-  return any(map(_is_cache, (*args, *kwargs.values())))
+  return any(map(stateful.is_cache, (*args, *kwargs.values())))
 
 
 def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
@@ -300,8 +299,3 @@ def _signature(leaves: list, at: int) -> tuple | None:
 def _meta(t: torch.Tensor) -> torch.Tensor:
   return torch.empty(t.shape, dtype=t.dtype, device="meta",
                      requires_grad=t.requires_grad and t.is_floating_point())
-
-
-def _is_cache(obj: object) -> bool:
-  cache_utils = sys.modules.get("transformers.cache_utils")
-  return cache_utils is not None and isinstance(obj, cache_utils.Cache)

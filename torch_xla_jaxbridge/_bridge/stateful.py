@@ -178,8 +178,13 @@ def may_hold_state(leaf: object) -> bool:
       or plain.is_plain(leaf))
 
 
-def _is_cache(obj: object) -> bool:
-  """A Hugging Face `Cache` (created empty, filled by the layers), when transformers is loaded."""
+def is_cache(obj: object) -> bool:
+  """A Hugging Face `Cache` (created empty, filled by the layers), when transformers is loaded.
+
+  Example:
+    >>> is_cache(torch.ones(1))
+    False
+  """
   cache_utils = sys.modules.get("transformers.cache_utils")
   return cache_utils is not None and isinstance(obj, cache_utils.Cache)
 
@@ -213,7 +218,7 @@ def box(tree: PyTree) -> tuple[PyTree, list[tuple[object, Snapshot]]]:
           f"trace. Pass the tensors themselves; for a Hugging Face model in training, "
           f"use_cache=False leaves the cache out.") from None
     # an object without tensors stays a static value
-    if snapshot.tensors or _is_cache(leaf) or isinstance(leaf, CacheSlot):
+    if snapshot.tensors or is_cache(leaf) or isinstance(leaf, CacheSlot):
       leaves[i] = snapshot
       boxed.append((leaf, snapshot))
   return (treedef.unflatten(leaves) if boxed else tree), boxed

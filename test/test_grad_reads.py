@@ -231,4 +231,4 @@ def test_what_a_no_grad_block_computes_gets_no_gradient_as_in_eager(entry, block
     call(x_xla).square().sum().backward()
   torch.testing.assert_close(x_xla.grad.cpu(), x_eager.grad)
   for p in model.proj.parameters():
-    assert p.grad is None or not p.grad.cpu().any()
+    assert p.grad is None  # as eager: no output depends on it

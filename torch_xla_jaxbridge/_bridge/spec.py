@@ -122,6 +122,7 @@ class Residuals:
   on_host: tuple  # offloaded computed residuals
   sequenced: bool = False  # a remat policy recomputes: only once the cotangents have arrived
   x64: bool = False  # the forward was traced in 64-bit mode: so is the backward lowered
+  no_gradient: tuple = ()  # positions of the differentiable inputs no output depends on
 
 
 class Spec:

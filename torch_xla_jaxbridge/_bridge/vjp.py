@@ -31,6 +31,7 @@ def forward_half(run: Callable, policy: Callable | None, diff: Sequence[Any]) ->
     run = jax.checkpoint(run, policy=policy)
   with recompute.differentiated():
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
+  read = jax_private.tangents_read(vjp_fn) or (True,) * len(diff)
   vjp_fn = jax_private.vjp_without_known_values(vjp_fn)  # no traced value in its tree
   residuals, tree = jax.tree.flatten(vjp_fn)
   # a residual that is one of the inputs (a weight kept for the input's gradient) is not
@@ -43,7 +44,8 @@ def forward_half(run: Callable, policy: Callable | None, diff: Sequence[Any]) ->
   on_host = tuple(getattr(jax.typeof(r), "memory_space", None) == jax.memory.Space.Host
                   for r in computed)
   kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host,
-                   policy is not None, bool(jax.config.jax_enable_x64))
+                   policy is not None, bool(jax.config.jax_enable_x64),
+                   tuple(i for i, r in enumerate(read) if not r))
   computed = [dtypes.torch_compatible(jax, r) for r in computed]
   return floats, others, mutated, (kept, computed), layout
 
@@ -103,4 +105,6 @@ class VjpFunction(torch.autograd.Function):
           f"body, init) when the count is known, run the loop under torch.no_grad(), or detach "
           f"its inputs.") from e
     sharding.shard_like(grads, ctx.shardings)  # a gradient is sharded as its input, not left to chance
-    return (None, None, None, None, None, *grads)
+    # an input no output depends on gets no gradient, as torch's autograd gives it none
+    return (None, None, None, None, None,
+            *[None if i in ctx.kept.no_gradient else g for i, g in enumerate(grads)])

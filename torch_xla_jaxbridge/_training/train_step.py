@@ -16,7 +16,7 @@ from torch_xla_jaxbridge import errors, optim
 from torch_xla_jaxbridge._bridge import api, auto, bridging, captures, rollback, spec
 from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
-from torch_xla_jaxbridge._compat import torch_xla_private
+from torch_xla_jaxbridge._compat import jax_private, torch_xla_private
 from torch_xla_jaxbridge._core import call, layer_loops, recompute, runtime, sharding
 
 # Layer calls run as one loop from this many in a row (`layer_loop`): on XLA:CPU a loop compiles
@@ -168,13 +168,18 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
         loss_of, chains = _looped(self, loss_of, diff, indices)
       if self.bridged.policy is not None:
         loss_of = jax.checkpoint(loss_of, policy=self.bridged.policy)
-      (loss, aux), grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(diff))),
-                                              has_aux=True)(*diff)
+      loss, vjp_fn, aux = jax.vjp(loss_of, *diff, has_aux=True)
+      grads = vjp_fn(jax.numpy.ones_like(loss))
+    # a parameter the loss does not depend on keeps its value and state, as torch's optimizers
+    # skip a parameter whose .grad is None (AdamW would otherwise decay it)
+    read = jax_private.tangents_read(vjp_fn) or (True,) * len(diff)
     params = [diff[i] for i in positions]
     grads = [grads[i] for i in positions]
     moved = (statics["layout"].moved(_layer_parameters(chains, positions, len(indices)), indices)
              if statics["layout"] is not None else None)
-    return loss, optim.apply_rule(params, grads, states, scalars, moved=moved, **statics), aux
+    return loss, optim.apply_rule(params, grads, states, scalars, moved=moved,
+                                  unchanged=tuple(k for k, i in enumerate(positions)
+                                                  if not read[i]), **statics), aux
 
 
 def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any],

@@ -17,14 +17,16 @@ def _sum_of_squares(jnp, g):
 
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
                names: tuple, options: tuple, clip: bool, rows: tuple | None = None,
-               layout: FlatLayout | None = None, moved: dict | None = None) -> tuple:
+               layout: FlatLayout | None = None, moved: dict | None = None,
+               unchanged: tuple = ()) -> tuple:
   """New parameters, new states and the gradients' global 2-norm (before clipping; None without
   `clip`: a reduction per parameter, one kernel each in the step's program) after one step of
   `rule`. `scalars` (float32): per row the values of `names` (hyperparameters), then
   the clipping norm; `options` per row; `rows` gives each parameter's row (None: a row each);
   with `clip` the gradients are first scaled as `torch.nn.utils.clip_grad_norm_` scales them.
   With `layout`, `states` (and the new states returned) are its flat buffers, read at the
-  traced offsets of `moved` (`FlatLayout.moved`) where it has them.
+  traced offsets of `moved` (`FlatLayout.moved`) where it has them. The parameters at positions
+  `unchanged` (their gradients are zero by construction) keep their values and states.
 
   Example:
     >>> import jax.numpy as jnp
@@ -50,7 +52,8 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   hypers = [{name: table[r, k] for k, name in enumerate(names)} for r in range(len(options))]
   new_params, new_states = [], []
   for i, (p, g, state) in enumerate(zip(params, grads, states)):
-    new_p, new_state = rule.update(p, g, state, hypers[rows[i]], options[rows[i]])
+    new_p, new_state = ((p, state) if i in unchanged else
+                        rule.update(p, g, state, hypers[rows[i]], options[rows[i]]))
     new_params.append(new_p.astype(p.dtype))
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})

@@ -192,6 +192,56 @@ def test_host_random_draws_raise_in_strict_mode():
     jb.BridgeModule(model, fallback=False)(torch.ones(2, 4, device="xla"))
 
 
+def _noise_class(model):
+  jb.bridge_modules(model, [SeededNoise])
+  return model
+
+
+class SeededNoise(torch.nn.Module):
+  """Adds noise drawn from a seeded `torch.Generator` it holds."""
+
+  def __init__(self):
+    super().__init__()
+    self.lin = torch.nn.Linear(4, 4)
+    self.generator = torch.Generator().manual_seed(7)
+
+  def forward(self, x):
+    return self.lin(x) + torch.randn(x.shape, generator=self.generator, device=x.device)
+
+
+@pytest.mark.parametrize("adopt", [jb.BridgeModule, _noise_class,
+                                   _function, _flip_step],
+                         ids=["BridgeModule", "bridge_modules", "bridge", "train_step"])
+def test_a_torch_generator_the_code_holds_falls_back_and_draws_as_plain_code(adopt):
+  """A trace cannot draw from the generator (it would replay one draw at every call, unseeded by
+  it): the region falls back, and its values and the generator's state are plain torch_xla's."""
+  def run(adopt_):
+    before = jb.bridge_report()
+    torch.manual_seed(0)
+    model = SeededNoise().to("xla")
+    call = adopt_(model)
+    x = torch.ones(2, 4).to("xla")
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", jb.errors.FallbackWarning)
+      values = [call(x).sum().item() for _ in range(3)]
+    reasons = [r.reason for r in jb.bridge_report(since=before).fallbacks()]
+    return values, model.generator.get_state(), reasons
+
+  values, state, reasons = run(adopt)
+  plain_values, plain_state, _ = run(lambda m: m)
+  assert len(set(plain_values)) == 3  # a new draw at each call
+  assert values == pytest.approx(plain_values, rel=1e-6)
+  assert torch.equal(state, plain_state)
+  assert reasons and all(r.startswith("HostRandomnessError: randn draws from a torch.Generator")
+                         for r in reasons)
+
+
+def test_a_torch_generator_raises_in_strict_mode():
+  with pytest.raises(jb.errors.HostRandomnessError, match="draws from a torch.Generator the code "
+                     "holds: plain torch_xla draws from it"):
+    jb.BridgeModule(SeededNoise().to("xla"), fallback=False)(torch.ones(2, 4, device="xla"))
+
+
 def test_a_forward_that_does_not_draw_keeps_one_trace():
   """The check reads the streams around traces only: a forward that does not draw (the coin
   is not reached in eval mode) bridges, traced once, and draws nothing."""

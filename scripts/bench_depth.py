@@ -10,6 +10,8 @@ Modes, each (mode, depth) in its own process, alternated over rounds:
 - `train_step`: `jb.train_step(lambda m, ids: m(input_ids=ids, labels=ids).loss, jb.optim.AdamW)`
   (its layers run as one loop from `LOOP_FROM` = 8 layers on);
 - `train_step looped`: the same with `layer_loop=2` (a loop at every depth);
+- `train_step looped SGD`: the same with `jb.optim.SGD` (an update of one multiply-add per
+  parameter: what the layers' loop costs at depth without AdamW's per-parameter kernels);
 - `train_step unrolled`: the same with `layer_loop=False` (one copy of each layer in the program).
 
 With `--no-cache` the config has `use_cache=False` (as training scripts and gradient
@@ -19,7 +21,8 @@ Per run: `step 1` (wall time of the first step, trace and compile included, wait
 device), `warm-up` (wall time of the steps up to and including the last one that compiled:
 the time to the first steady step), the number of programs torch_xla compiled then, the steady
 step (median of the steps after warm-up) and every step's loss. Ratios are per round against
-`plain` at the same depth (mode / plain: below 1 is faster), then median [min-max].
+`plain` at the same depth (mode / plain: below 1 is faster), then median [min-max]; step 1 also
+against the same mode at the first depth given (how it grows with depth).
 
   python scripts/bench_depth.py [--layers 4 16 32] [--rounds 3] [--steps 5] [--no-cache]
       [--json scripts/out/bench_depth.json]
@@ -31,7 +34,7 @@ import time
 import harness
 
 MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step looped",
-         "train_step unrolled"]
+         "train_step looped SGD", "train_step unrolled"]
 
 
 def child(mode: str, layers: int, steps: int, use_cache: int) -> dict:
@@ -54,8 +57,10 @@ def child(mode: str, layers: int, steps: int, use_cache: int) -> dict:
     jb.bridge_modules(model, ["LlamaDecoderLayer"])
   if mode.startswith("train_step"):
     step = jb.train_step(lambda m, i: m(input_ids=i, labels=i).loss,
-                         jb.optim.AdamW(model.parameters(), lr=1e-3),
+                         (jb.optim.SGD if mode.endswith("SGD") else jb.optim.AdamW)(
+                             model.parameters(), lr=1e-3),
                          layer_loop={"train_step": True, "train_step looped": 2,
+                                     "train_step looped SGD": 2,
                                      "train_step unrolled": False}[mode])
     run = lambda: step(model, ids)  # noqa: E731
   else:
@@ -110,9 +115,11 @@ def main() -> None:
                  "step1_x": harness.ratio(runs, plain, "step1_s"),
                  "warmup_x": harness.ratio(runs, plain, "warmup_s"),
                  "steady_x": harness.ratio(runs, plain, "steady_ms"),
+                 "step1_x_first": harness.ratio(runs, results[(args.layers[0], mode)], "step1_s"),
                  "loss_diff": harness.max_difference(runs, plain, "losses")})
   print(harness.table(rows, [
       ("layers", "layers"), ("mode", "mode"), ("step 1 s", "step1_s"), ("x plain", "step1_x"),
+      (f"x {args.layers[0]} layers", "step1_x_first"),
       ("warm-up s", "warmup_s"), ("x plain", "warmup_x"), ("compiles", "compiles"),
       ("steady ms", "steady_ms"), ("x plain", "steady_x"), ("max loss diff", "loss_diff")]))
   harness.write_json(args.json, {"args": vars(args), "rows": rows})

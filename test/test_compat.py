@@ -552,3 +552,22 @@ def test_dispatch_mode_sees_the_ops_a_meta_tensor_runs():
   with Seen():
     (torch.ones(2, device="meta") * 2).sum()
   assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.sum.default in seen
+
+
+def test_functional_of_in_place_names_torchs_functional_overload():
+  assert torch_dispatch_private.functional_of_in_place(torch.ops.aten.masked_fill_.Scalar) is (
+      torch.ops.aten.masked_fill.Scalar)
+  assert torch_dispatch_private.functional_of_in_place(torch.ops.aten.add.Tensor) is None
+  assert torch_dispatch_private.functional_of_in_place(torch.ops.aten.mm) is None  # a packet
+
+
+def test_torchax_views_are_read_through_and_written_into():
+  with tracing.torch_code():
+    t = tracing.to_torchax(jax.numpy.arange(4.0).reshape(2, 2))
+    row = t[1]
+    assert isinstance(row, torchax_private.view_type())
+    assert torchax_private.view_source(row) is t and torchax_private.view_source(t) is None
+    doubled = torchax_private.view_reading_through(row, lambda a: a * 2)
+    assert doubled.jax().tolist() == [4.0, 6.0]
+    torchax_private.write_into(doubled, tracing.to_torchax(jax.numpy.zeros(2)))
+    assert t.jax().tolist() == [[0.0, 1.0], [0.0, 0.0]]

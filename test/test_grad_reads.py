@@ -232,3 +232,56 @@ def test_what_a_no_grad_block_computes_gets_no_gradient_as_in_eager(entry, block
   torch.testing.assert_close(x_xla.grad.cpu(), x_eager.grad)
   for p in model.proj.parameters():
     assert p.grad is None  # as eager: no output depends on it
+
+
+def _view_read(w, x):
+  with torch.no_grad():
+    v = w[0]
+  return (v * x).sum() + w.sum()
+
+
+def _in_place(w, x):
+  y = w * 2
+  with torch.no_grad():
+    y.mul_(3)
+  return (y * x).sum()
+
+
+def _in_place_from_outside(w, x):
+  y = w * 1
+  with torch.no_grad():
+    y.add_(x)
+  return (y * y).sum()
+
+
+def _through_a_view(w, x):
+  y = w * 2
+  with torch.no_grad():
+    y[0].mul_(5)
+  return (y * x).sum()
+
+
+def _assignment(w, x):
+  y = w * 3
+  with torch.no_grad():
+    y[2] = x[0]
+  return (y * y).sum()
+
+
+@pytest.mark.parametrize("fn", [_view_read, _in_place, _in_place_from_outside, _through_a_view,
+                                _assignment])
+def test_views_and_in_place_writes_under_no_grad_get_eagers_gradients(fn):
+  """A view taken under no_grad carries no gradient; a write made there changes the value and
+  leaves the written tensor's gradient path as it was (torch's graph does not see it)."""
+  torch.manual_seed(0)
+  w, x = torch.randn(3, 3), torch.randn(3, 3)
+  eager_w = w.clone().requires_grad_()
+  eager = fn(eager_w, x)
+  eager.backward()
+  xla_w = w.to("xla").requires_grad_()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jb.errors.FallbackWarning)
+    bridged = jb.bridge(fn)(xla_w, x.to("xla"))
+  bridged.backward()
+  torch.testing.assert_close(bridged.cpu(), eager)
+  torch.testing.assert_close(xla_w.grad.cpu(), eager_w.grad)

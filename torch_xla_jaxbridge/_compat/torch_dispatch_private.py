@@ -4,6 +4,7 @@ mode that sees each op dispatched; one function each (as `torch_private`).
 Each says why the package needs it, what breaks if it changes and the public alternative where
 one exists; `test/test_compat.py` checks each directly.
 """
+import functools
 from typing import Any
 
 import torch
@@ -113,3 +114,25 @@ def dispatch_mode() -> type:
   from torch.utils._python_dispatch import TorchDispatchMode
 
   return TorchDispatchMode
+
+
+@functools.cache
+def functional_of_in_place(op: Any) -> Any:
+  """The functional overload of an in-place aten op overload (`aten.neg_.default` ->
+  `aten.neg.default`), or None: `op` is no in-place overload, or torch has no functional form.
+  Reads `OpOverload.name()` and torch's op registry; kept per op (every traced op asks).
+
+  Example:
+    >>> functional_of_in_place(torch.ops.aten.fill_.Scalar) is torch.ops.aten.fill.Scalar
+    True
+    >>> functional_of_in_place(torch.ops.aten.neg.default) is None
+    True
+  """
+  if not isinstance(op, torch._ops.OpOverload):
+    return None
+  qualified, _, overload = op.name().partition(".")
+  namespace, _, name = qualified.partition("::")
+  if not name.endswith("_") or name.startswith("_"):
+    return None
+  packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+  return getattr(packet, overload or "default", None) if packet is not None else None

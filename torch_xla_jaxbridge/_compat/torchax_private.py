@@ -233,3 +233,89 @@ def dispatch_mode(env: Any) -> Any:
 
   mode = env._dispatch_mode
   return contextlib.nullcontext() if mode in _get_current_dispatch_mode_stack() else mode
+
+
+def view_source(value: Any) -> Any:
+  """The torchax tensor a torchax `View` (what indexing a tensor gives, `x[0]`) reads and writes
+  through its chain of parents (`.parent`, private); None for anything else.
+
+  Example:
+    >>> import jax, torchax.tensor
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> with tracing.torch_code():
+    ...   t = tracing.to_torchax(jax.numpy.zeros((2, 2)))
+    ...   view_source(t[0]) is t, view_source(t) is None
+    (True, True)
+  """
+  import torchax.view
+
+  if not isinstance(value, torchax.view.View):
+    return None
+  while isinstance(value, torchax.view.View):
+    value = value.parent
+  return value
+
+
+def view_reading_through(view: Any, fn: Callable) -> Any:
+  """A view of the torchax `View` `view` whose reads are `fn` of `view`'s and whose writes go to
+  `view` unchanged (a private `ViewInfo` subclass): `fn` = `jax.lax.stop_gradient` cuts what is
+  read from it from JAX's gradients while in-place writes still reach the viewed tensor.
+
+  Example:
+    >>> import jax
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> with tracing.torch_code():
+    ...   t = tracing.to_torchax(jax.numpy.zeros((2, 2)))
+    ...   plus_one = view_reading_through(t[0], lambda a: a + 1)
+    ...   _ = plus_one.add_(5.0)  # reads 1, writes 6 into t[0]
+    ...   plus_one.jax().tolist(), t.jax().tolist()
+    ([7.0, 7.0], [[6.0, 6.0], [0.0, 0.0]])
+  """
+  import torchax.view
+
+  class ReadThrough(torchax.view.ViewInfo):
+    def transform_tensor(self, jax_array: Any) -> Any:
+      return fn(jax_array)
+
+    def update_tensor(self, new_value: Any, jax_array: Any) -> Any:
+      return new_value
+
+    def calculate_output_shape(self, source: Any) -> list[int]:
+      return list(source.shape)
+
+  return torchax.view.View(view, ReadThrough(), view._env)
+
+
+def write_into(target: Any, value: Any) -> None:
+  """Writes the torchax tensor `value` into the torchax tensor or `View` `target`, in
+  `target`'s dtype: through a view into the tensor it views (`View.update`, private), else by
+  replacing `target`'s array (as torchax's own in-place ops do).
+
+  Example:
+    >>> import jax
+    >>> from torch_xla_jaxbridge._core import tracing
+    >>> with tracing.torch_code():
+    ...   t = tracing.to_torchax(jax.numpy.zeros((2, 2)))
+    ...   write_into(t[1], tracing.to_torchax(jax.numpy.ones(2)))
+    ...   t.jax().tolist()
+    [[0.0, 0.0], [1.0, 1.0]]
+  """
+  import torchax.view
+
+  array = value.jax().astype(target.jax().dtype)
+  if isinstance(target, torchax.view.View):
+    target.update(array)
+  else:
+    set_array(target, array)
+
+
+def view_type() -> type:
+  """torchax's `View` class (`torchax.view`, not exported), what indexing a torchax tensor gives.
+
+  Example:
+    >>> view_type().__name__
+    'View'
+  """
+  import torchax.view
+
+  return torchax.view.View

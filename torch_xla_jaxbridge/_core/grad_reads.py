@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -158,7 +159,8 @@ def dispatcher(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dic
   """A dispatch wrapper: torchax's conversion of one op, its floating-point results marked as
   requiring grad when grad mode is on and one of its tensors is (not for an op whose results
   never require grad in torch: `detach`, `zeros_like`, ...); with grad mode turned off inside a
-  trace of a call made with it on, its new floating-point results cut from JAX's gradients.
+  trace of a call made with it on, its new floating-point results cut from JAX's gradients and
+  an argument it writes in place given the new value with the old one's gradient path.
 
   Example (the bridge's environment has it):
     >>> import jax
@@ -169,11 +171,14 @@ def dispatcher(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dic
     ...   (x * 2).requires_grad, x.detach().requires_grad, (x > 0).requires_grad
     (True, False, False)
   """
+  if cutting():  # new results are cut; an argument written in place keeps its gradient path
+    before = arrays_of((args, kwargs))
+    out = dispatch(func, types, args, kwargs)
+    _stop_floats(out if isinstance(out, (list, tuple)) else (out,), args, kwargs)
+    keep_gradient_path(before)
+    return _cut_view(out)
   out = dispatch(func, types, args, kwargs)
-  if not torch.is_grad_enabled():
-    if getattr(_TRACE, "grad_on", False):  # `torch.no_grad()` inside the traced code
-      _stop_floats(out if isinstance(out, (list, tuple)) else (out,), args, kwargs)
-  elif (_any_marked(args, kwargs)
+  if (torch.is_grad_enabled() and _any_marked(args, kwargs)
         and getattr(func, "__name__", "").split(".")[0] not in _NOT_DIFFERENTIABLE):
     _mark_floats(out if isinstance(out, (list, tuple)) else (out,))
   return out
@@ -190,3 +195,81 @@ def _stop_floats(values: Any, args: Any, kwargs: dict | None) -> None:
     if (type(value) is torchax.tensor.Tensor and id(value) not in given
         and (value.dtype.is_floating_point or value.dtype.is_complex)):
       torchax_private.set_array(value, jax.lax.stop_gradient(value.jax()))
+
+
+def _cut_view(out: Any) -> Any:
+  """`out`, or where it is a view (`x[0]`) of a torchax tensor, a view of it whose reads are cut
+  from JAX's gradients (writes through it still reach the viewed tensor, as in torch)."""
+  if torchax_private.view_source(out) is None or not (out.dtype.is_floating_point or
+                                                      out.dtype.is_complex):
+    return out
+  return torchax_private.view_reading_through(out, runtime.jax_module().lax.stop_gradient)
+
+
+def cutting() -> bool:
+  """Whether the traced code turned grad mode off (`torch.no_grad()`) inside a trace of a call
+  made with it on: what ops compute now is cut from JAX's gradients.
+
+  Example:
+    >>> cutting()  # outside any trace
+    False
+  """
+  return not torch.is_grad_enabled() and getattr(_TRACE, "grad_on", False)
+
+
+def arrays_of(values: Any) -> list:
+  """`(tensor, its array)` for the floating-point torchax tensors among `values` (a pytree: an
+  op's arguments) and those that the views among them (`x[0]`) write through to, for
+  `keep_gradient_path` after an op that may write them in place.
+
+  Example:
+    >>> arrays_of((torch.ones(2), 3))  # no torchax tensor
+    []
+  """
+  import torchax.tensor
+
+  found: dict = {}
+  for leaf in torch_private.tree_leaves(values):
+    source = torchax_private.view_source(leaf)
+    tensor = leaf if source is None else source
+    if type(tensor) is torchax.tensor.Tensor and (tensor.dtype.is_floating_point or
+                                                 tensor.dtype.is_complex):
+      found[id(tensor)] = (tensor, tensor.jax())
+  return list(found.values())
+
+
+def keep_gradient_path(before: list) -> None:
+  """Each tensor of `before` (`arrays_of`'s) whose array was replaced since (written in place)
+  holds the new value with the old value's gradient path: torch's autograd does not see a write
+  made under `no_grad` (`y.mul_(3)`, `y[0] = 1`), so gradients reach what `y` was computed from
+  as before it. A write that changed the shape or dtype stays cut.
+
+  Example:
+    >>> keep_gradient_path([])  # nothing written
+  """
+  for tensor, old in before:
+    new = tensor.jax()
+    if new is not old and new.shape == old.shape and new.dtype == old.dtype:
+      torchax_private.set_array(tensor, _value_with_gradient_of()(new, old))
+
+
+@functools.cache
+def _value_with_gradient_of() -> Callable:
+  """`f(new, old)`: `new`'s value, whose derivative is `old`'s.
+
+  Example:
+    >>> jax = runtime.jax_module()
+    >>> jax.grad(lambda x: _value_with_gradient_of()(x * 0 + 5.0, x * 3))(1.0).item()
+    3.0
+  """
+  jax = runtime.jax_module()
+
+  @jax.custom_jvp
+  def value_with_gradient_of(new: Any, old: Any) -> Any:
+    return new
+
+  @value_with_gradient_of.defjvp
+  def _jvp(primals: tuple, tangents: tuple) -> tuple:
+    return primals[0], tangents[1]
+
+  return value_with_gradient_of

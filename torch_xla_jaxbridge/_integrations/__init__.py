@@ -4,7 +4,7 @@ Each module adds an op override, a trace context or a trace key; nothing else im
 their side effects.
 """
 from torch_xla_jaxbridge._integrations import (autocast, autograd_function, batch_norm,  # noqa: F401
-                                               control_flow, custom_ops, hf_models,
+                                               control_flow, custom_ops, hf_models, in_place_ops,
                                                low_precision, overrides, seeded_generators, spmd,
                                                torch_checkpoint, torch_ops,
                                                torch_xla_kernels,

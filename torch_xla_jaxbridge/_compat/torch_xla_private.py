@@ -38,7 +38,8 @@ def init_computation_client() -> None:
 
 def user_computation(op_name: str, tensors: Sequence[torch.Tensor], computation: Any) -> list:
   """The IR node `op_name` calling `computation` on `tensors`; its outputs as XLA tensors. The
-  bridge's one node per call (`call_jax`).
+  bridge's one node per call (`call_jax`). Under torch_xla's eager mode the outputs are run at
+  once, as one program (eager mode would run the node once per output).
 
   Example:
     >>> import torch_xla, jax
@@ -48,7 +49,18 @@ def user_computation(op_name: str, tensors: Sequence[torch.Tensor], computation:
     >>> user_computation("xla::double", [torch.ones(2, device="xla")], comp)[0].cpu().tolist()
     [2.0, 2.0]
   """
-  return _xlac()._xla_user_computation(op_name, list(tensors), computation)
+  xlac = _xlac()
+  if not xlac._get_use_eager_mode():
+    return xlac._xla_user_computation(op_name, list(tensors), computation)
+  # torch_xla's eager mode runs each new tensor's graph as the tensor is made: the node would
+  # compile and run once per output. Made lazily, its outputs then run as one program.
+  xlac._set_use_eager_mode(False)
+  try:
+    outputs = xlac._xla_user_computation(op_name, list(tensors), computation)
+  finally:
+    xlac._set_use_eager_mode(True)
+  xlac._xla_sync_multi(outputs, [], False)
+  return outputs
 
 
 def computation_from_proto(op_name: str, hlo_proto: bytes) -> Any:

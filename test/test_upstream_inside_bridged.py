@@ -108,12 +108,36 @@ def test_torch_xla_scan_layers_in_a_train_step_falls_back_with_eagers_values(dev
     torch.testing.assert_close(p.detach().cpu(), q.detach() - 0.1 * q.grad)
 
 
+def test_layers_bridged_by_class_under_torch_xla_scan_layers_say_so_in_the_report(dev):
+  """Upstream's scan traces them with AOTAutograd, where they run as plain torch code: values
+  are eager's, and the row of the layer it traces (the first; the others' parameters are stacked
+  into it, and they are never called) says why it is not bridged (it had no row at all)."""
+  model = ScannedByUpstream()
+  moved = copy.deepcopy(model).to(dev)
+  before = jb.bridge_report()
+  assert jb.bridge_modules(moved, [torch.nn.Sequential]) == ["layers.0", "layers.1", "layers.2"]
+  x = torch.randn(4, 8)
+  with pytest.warns(jb.errors.FallbackWarning, match="TracedByTorchError: called while torch's "
+                    "own machinery traces it"):
+    loss = moved(x.to(dev))
+  loss.backward()
+  expected = model.eager(x)
+  expected.backward()
+  torch.testing.assert_close(loss.cpu(), expected.detach())
+  for p, q in zip(moved.parameters(), model.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), q.grad)
+  rows = jb.bridge_report(since=before).rows
+  assert [r.name for r in rows] == ["layers.0"]
+  assert all(r.status == "fallback" and r.reason.startswith("TracedByTorchError") for r in rows)
+
+
 def test_a_bridged_function_as_torch_xla_scan_body_runs_as_plain_code(dev):
   from torch_xla.experimental.scan import scan
 
   step = jb.bridge(lambda carry, x: (torch.tanh(carry + x), carry * 2))
   init, xs = torch.ones(3), torch.linspace(-1, 1, 12).reshape(4, 3)
-  carry, ys = scan(step, init.to(dev), xs.to(dev))
+  with pytest.warns(jb.errors.FallbackWarning, match="TracedByTorchError"):
+    carry, ys = scan(step, init.to(dev), xs.to(dev))
   expected_carry, expected_ys = init, []
   for x in xs:
     expected_carry, y = torch.tanh(expected_carry + x), expected_carry * 2

@@ -74,6 +74,13 @@ class HookError(BridgeError):
   lasting = False
 
 
+class TracedByTorchError(BridgeError):
+  """Bridged code was called while torch's own machinery traced it (torch_xla's `scan` and
+  `scan_layers`, AOTAutograd, `torch.compile` with another backend): there it runs as the plain
+  torch code the tracer expects, for that call only. Never raised: the bridge report's reason."""
+  lasting = False
+
+
 class UsageError(BadArgumentError):
   """A call the package refuses whatever the mode: no fallback to plain LazyTensor code helps
   (a training step whose loss is not a scalar, an optimizer `train_step` cannot run, a bad

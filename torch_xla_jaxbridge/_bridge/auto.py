@@ -228,8 +228,10 @@ def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
     >>> bridged_forward(layer, Settings("layer"), torch.ones(1, 2, device="xla")).shape
     torch.Size([1, 2])
   """
-  if (settings.in_line_when_traced and _any_traced((args, kwargs))
-      or torch_private.torch_tracer_active()):  # traced by torch (torch_xla's scan): plain code
+  if torch_private.torch_tracer_active():  # traced by torch (torch_xla's scan): plain code
+    fallback.traced_by_torch(bridge_of(module, settings).outcome)
+    return type(module).forward(module, *args, **kwargs)
+  if settings.in_line_when_traced and _any_traced((args, kwargs)):
     return type(module).forward(module, *args, **kwargs)
   return bridge_of(module, settings)(*args, **kwargs)
 

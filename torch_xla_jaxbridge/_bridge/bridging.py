@@ -15,6 +15,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._bridge import captures, inline, rollback, stateful, vjp
+from torch_xla_jaxbridge._bridge import fallback as fallbacks
 from torch_xla_jaxbridge._bridge import remat as remat_policies
 from torch_xla_jaxbridge._bridge import spec as spec_
 from torch_xla_jaxbridge._bridge.spec import Layout, register_static_pytree
@@ -70,8 +71,11 @@ class Bridged(Generic[_F]):
           f"{self.name}: made with add_rng_seed_argument=True, so it takes a keyword rng_seed= "
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
-    if torch_private.torch_tracer_active() or (  # traced by torch (torch_xla's scan), or given
-        self.fallback is not None and off_xla((args, kwargs))):  # CPU tensors only: plain code
+    if torch_private.torch_tracer_active():  # traced by torch (torch_xla's scan): plain code
+      if self.fallback is not None:
+        fallbacks.traced_by_torch(self.fallback.outcome)
+      return self.fn(*args, **kwargs)
+    if self.fallback is not None and off_xla((args, kwargs)):  # CPU tensors only: plain code
       return self.fn(*args, **kwargs)
     if _any_traced((args, kwargs)):  # called inside bridged code: run in the enclosing trace
       return inline.run_inline(self, args, kwargs, seed)

@@ -24,6 +24,24 @@ _UNITS: weakref.WeakValueDictionary[int, Outcome] = weakref.WeakValueDictionary(
 _COUNTER = iter(range(1 << 62))
 
 
+def traced_by_torch(outcome: Outcome) -> None:
+  """Records, in `outcome`'s row of the report, that a call runs as plain torch code because
+  torch's own machinery traces it (said once, as a fallback for that call).
+
+  Example:
+    >>> outcome = Outcome("Layer", "module")
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter("ignore")
+    ...   traced_by_torch(outcome)
+    >>> outcome.status, outcome.reason.split(":")[0]
+    ('fallback', 'TracedByTorchError')
+  """
+  outcome.fall_back(errors.TracedByTorchError(
+      "called while torch's own machinery traces it (torch_xla's scan or scan_layers, "
+      "AOTAutograd, torch.compile with another backend): it runs as plain torch code there; "
+      "jb.scan_layers / jb.scan loop bridged layers"), True)
+
+
 def can_fall_back(exc: BaseException) -> bool:
   """Whether `exc`, raised while a region was prepared or traced, means the region cannot be
   bridged (and plain LazyTensor code may still run it): any of the package's errors but a

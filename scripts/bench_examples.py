@@ -5,7 +5,10 @@ Examples (from a pytorch/xla checkout; nothing of upstream's is kept in this rep
 - `decoder`: `examples/train_decoder_only_base.py` with `examples/decoder_only_model.py`;
 - `scan`: the same trainer with `examples/scan/decoder_with_scan.py`'s `DecoderWithScan`
   (upstream's `scan_layers` over the decoder layers);
-- `resnet`: `examples/train_resnet_base.py` (torchvision's ResNet-50).
+- `resnet`: `examples/train_resnet_base.py` (torchvision's ResNet-50);
+- `eager`: `examples/eager/train_decoder_only_eager.py`: the decoder example under torch_xla's
+  eager mode (`eager_mode(True)`, each op run as it is called), its step uncompiled (the eager
+  example's two lines, applied to the decoder's trainer).
 
 Modes (the adoption, applied as a textual edit to a copy of the example in a temporary folder):
 - `unmodified`: the example as it is;
@@ -100,6 +103,20 @@ EXAMPLES = {
                                 "from torch_xla_jaxbridge import scan_layers")],
         },
     },
+    "eager": {
+        "files": [DECODER, "examples/decoder_only_model.py"],
+        "trainer": ("train_decoder_only_base", "TrainDecoderOnlyBase"), "model": None,
+        "eager_mode": True,
+        "sizes": [(DECODER, "self.batch_size = 16", "self.batch_size = {batch}"),
+                  (DECODER, "self.seq_len = 512", "self.seq_len = {seq}")],
+        "modes": {
+            "unmodified": [],
+            "by class": [(DECODER, *IMPORT), (
+                DECODER, "self.model = decoder_cls(self.config).to(self.device)\n",
+                "self.model = decoder_cls(self.config).to(self.device)\n"
+                "    jb.bridge_modules(self.model, ['DecoderLayer'])\n")],
+        },
+    },
     "resnet": {
         "files": [RESNET],
         "trainer": ("train_resnet_base", "TrainResNetBase"), "model": None,
@@ -150,12 +167,16 @@ def child(folder: str, example: str, steps: int, config: dict) -> dict:
   torch.manual_seed(42)  # as the example's __main__
   torch_xla.manual_seed(42)
   trainer = getattr(importlib.import_module(spec["trainer"][0]), spec["trainer"][1])
+  if spec.get("eager_mode"):
+    torch_xla.experimental.eager_mode(True)
   if example == "resnet":
     base = trainer()
   else:
     from decoder_only_model import DecoderOnlyConfig
     model = spec["model"] and getattr(importlib.import_module(spec["model"][0]), spec["model"][1])
     base = trainer(*[model] if model else [], num_steps=steps, config=DecoderOnlyConfig(**config))
+  if spec.get("eager_mode"):
+    base.compiled_step_fn = base.step_fn  # as the eager example's trainer
   step, walls, cpus, losses = base.compiled_step_fn, [], [], []
 
   def timed(data, target):

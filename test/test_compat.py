@@ -571,3 +571,9 @@ def test_torchax_views_are_read_through_and_written_into():
     assert doubled.jax().tolist() == [4.0, 6.0]
     torchax_private.write_into(doubled, tracing.to_torchax(jax.numpy.zeros(2)))
     assert t.jax().tolist() == [[0.0, 1.0], [0.0, 0.0]]
+
+
+def test_dynamo_compiling_is_true_only_in_code_dynamo_traces():
+  compiled = torch.compile(lambda x: x + 1 if torch_private.dynamo_compiling() else x - 1,
+                           backend="eager")
+  assert compiled(torch.zeros(1)).item() == 1.0 and not torch_private.dynamo_compiling()

@@ -229,7 +229,8 @@ def bridged_forward(module: torch.nn.Module, settings: Settings, *args: Any,
     torch.Size([1, 2])
   """
   if torch_private.torch_tracer_active():  # traced by torch (torch_xla's scan): plain code
-    fallback.traced_by_torch(bridge_of(module, settings).outcome)
+    if not torch_private.dynamo_compiling():  # Dynamo would trace the note into its graph
+      fallback.traced_by_torch(bridge_of(module, settings).outcome)
     return type(module).forward(module, *args, **kwargs)
   if settings.in_line_when_traced and _any_traced((args, kwargs)):
     return type(module).forward(module, *args, **kwargs)

@@ -72,8 +72,8 @@ class Bridged(Generic[_F]):
           f"(an int or an integer tensor); none was given.")
     seed = kwargs.pop("rng_seed") if self.seeded else None
     if torch_private.torch_tracer_active():  # traced by torch (torch_xla's scan): plain code
-      if self.fallback is not None:
-        fallbacks.traced_by_torch(self.fallback.outcome)
+      if self.fallback is not None and not torch_private.dynamo_compiling():  # (not in Dynamo's
+        fallbacks.traced_by_torch(self.fallback.outcome)                     # graph)
       return self.fn(*args, **kwargs)
     if self.fallback is not None and off_xla((args, kwargs)):  # CPU tensors only: plain code
       return self.fn(*args, **kwargs)

@@ -269,6 +269,18 @@ _DYNAMO_COMPILING = torch.compiler.is_compiling  # torch's own: the package answ
 # it traces (`_integrations.trace_signals`), and Dynamo folds a call of this one to True
 
 
+def dynamo_compiling() -> bool:
+  """Whether Dynamo (`torch.compile`) is tracing the calling code: torch's own answer (the
+  package answers `torch.compiler.is_compiling()` True inside its traces). Public alternative:
+  `torch.compiler.is_compiling()` where the package does not patch it.
+
+  Example:
+    >>> dynamo_compiling()
+    False
+  """
+  return _DYNAMO_COMPILING()
+
+
 def torch_tracer_active() -> bool:
   """Whether torch code is being traced by torch's own machinery in this thread: Dynamo
   (`torch.compile` with another backend than the package's), a fake-tensor, functionalization or

@@ -71,20 +71,22 @@ RESNET_STEP = (
     "model, loss_fn = self.model, self.loss_fn\n"
     "    self.compiled_step_fn = torch_xla.compile(\n        jb.train_step(lambda data, target: "
     "loss_fn(model(data), target), self.optimizer),")
+DECODER_SIZES = [(DECODER, "self.batch_size = 16", "self.batch_size = {batch}"),
+                 (DECODER, "self.seq_len = 512", "self.seq_len = {seq}")]
+DECODER_BY_CLASS = [(DECODER, *IMPORT), (
+    DECODER, "self.model = decoder_cls(self.config).to(self.device)\n",
+    "self.model = decoder_cls(self.config).to(self.device)\n"
+    "    jb.bridge_modules(self.model, ['DecoderLayer'])\n")]
 # example -> files copied, the trainer module and class, the size edits, and per mode the edits
 # (file, text, replacement); each text must occur exactly once
 EXAMPLES = {
     "decoder": {
         "files": [DECODER, "examples/decoder_only_model.py"],
         "trainer": ("train_decoder_only_base", "TrainDecoderOnlyBase"), "model": None,
-        "sizes": [(DECODER, "self.batch_size = 16", "self.batch_size = {batch}"),
-                  (DECODER, "self.seq_len = 512", "self.seq_len = {seq}")],
+        "sizes": DECODER_SIZES,
         "modes": {
             "unmodified": [],
-            "by class": [(DECODER, *IMPORT), (
-                DECODER, "self.model = decoder_cls(self.config).to(self.device)\n",
-                "self.model = decoder_cls(self.config).to(self.device)\n"
-                "    jb.bridge_modules(self.model, ['DecoderLayer'])\n")],
+            "by class": DECODER_BY_CLASS,
             "train_step": [(DECODER, *IMPORT), (
                 DECODER, "torch.optim.Adam(self.model.parameters(), lr=0.0001)",
                 "jb.optim.AdamW(self.model.parameters(), lr=0.0001, weight_decay=0.0)"), (
@@ -95,8 +97,7 @@ EXAMPLES = {
         "files": [DECODER, "examples/decoder_only_model.py", SCAN],
         "trainer": ("train_decoder_only_base", "TrainDecoderOnlyBase"),
         "model": ("decoder_with_scan", "DecoderWithScan"),
-        "sizes": [(DECODER, "self.batch_size = 16", "self.batch_size = {batch}"),
-                  (DECODER, "self.seq_len = 512", "self.seq_len = {seq}")],
+        "sizes": DECODER_SIZES,
         "modes": {
             "unmodified": [],
             "jb.scan_layers": [(SCAN, "from torch_xla.experimental.scan_layers import scan_layers",
@@ -107,14 +108,10 @@ EXAMPLES = {
         "files": [DECODER, "examples/decoder_only_model.py"],
         "trainer": ("train_decoder_only_base", "TrainDecoderOnlyBase"), "model": None,
         "eager_mode": True,
-        "sizes": [(DECODER, "self.batch_size = 16", "self.batch_size = {batch}"),
-                  (DECODER, "self.seq_len = 512", "self.seq_len = {seq}")],
+        "sizes": DECODER_SIZES,
         "modes": {
             "unmodified": [],
-            "by class": [(DECODER, *IMPORT), (
-                DECODER, "self.model = decoder_cls(self.config).to(self.device)\n",
-                "self.model = decoder_cls(self.config).to(self.device)\n"
-                "    jb.bridge_modules(self.model, ['DecoderLayer'])\n")],
+            "by class": DECODER_BY_CLASS,
         },
     },
     "resnet": {

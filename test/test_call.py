@@ -302,6 +302,7 @@ def test_under_torch_xlas_eager_mode_a_call_runs_as_one_program(dev):
   """Eager mode runs each new tensor's graph as it is made: a node with six outputs (and its
   vjp residuals) ran once per output, 14 programs a call. Now one, with plain eager mode's
   values, and the mode is the caller's after."""
+  import torch_xla.core.xla_model as xm
   import torch_xla.debug.metrics as met
   from torch_xla.experimental import eager as eager_mode
 
@@ -314,8 +315,10 @@ def test_under_torch_xlas_eager_mode_a_call_runs_as_one_program(dev):
     x = x.to(dev)
     expected = [t.cpu() for t in plain(x)]
     bridged(x)  # traced and compiled
+    xm.wait_device_ops()  # the metrics count an execution when it ends
     before = runs()
     outputs = bridged(x)
+    xm.wait_device_ops()
     ran = runs() - before
     sum(o.sum() for o in outputs).backward()
     assert eager_mode.is_eager_mode()

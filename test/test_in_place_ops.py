@@ -43,3 +43,22 @@ def test_an_in_place_op_writes_its_target_as_in_plain_torch_xla(op, target):
   assert not torch.equal(plain_buf, torch.arange(1.0, 10.0).reshape(3, 3))  # it writes
   torch.testing.assert_close(buf, plain_buf)
   torch.testing.assert_close(out, plain_out)
+
+
+def test_a_result_torch_cannot_cast_into_its_target_raises_torchs_error():
+  """`int_tensor.exp_()`: torch refuses to write a float result into an integer tensor; the
+  functional form's result is not truncated into it silently, the region falls back and plain
+  torch_xla raises."""
+  def region(buf):
+    buf.exp_()
+    return buf.sum()
+
+  with pytest.raises(RuntimeError, match="can't be cast"):
+    region(torch.arange(4).to("xla"))
+  buf = torch.arange(4).to("xla")
+  with pytest.warns(jb.errors.FallbackWarning, match="can't be cast"), \
+       pytest.raises(RuntimeError, match="can't be cast"):
+    jb.bridge(region)(buf)
+  assert buf.cpu().tolist() == [0, 1, 2, 3]
+  with pytest.raises(jb.errors.JaxTracingError, match="can't be cast"):
+    jb.bridge(region, fallback=False)(buf)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from torch_xla_jaxbridge._compat import torch_dispatch_private, torchax_private
 from torch_xla_jaxbridge._core import grad_reads, patching, tracing
 
@@ -38,12 +40,22 @@ def _dispatch(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict
     out = dispatch(func, types, args, kwargs)
   except torchax_private.operator_not_found():
     out = dispatch(functional, types, args, kwargs)  # no conversion: the functional form
-    torchax_private.write_into(target, out)
+    _write(target, out)
     return target
   if out is not target and torchax_private.view_source(target) is not None:
-    torchax_private.write_into(target, out)  # a conversion that returned a copy of the view
+    _write(target, out)  # a conversion that returned a copy of the view
     return target
   return out
+
+
+def _write(target: Any, out: Any) -> None:
+  """`out` written into `target`; refused as torch refuses it where `out`'s dtype cannot be cast
+  to `target`'s (`int_tensor.sqrt_()`): the region falls back, where torch raises."""
+  if not torch.can_cast(out.dtype, target.dtype):
+    raise RuntimeError(
+        f"an in-place op's result type {out.dtype} can't be cast to the desired output type "
+        f"{target.dtype}, as torch refuses it")
+  torchax_private.write_into(target, out)
 
 
 def _assignment_patch(owner: Callable[[], type | None]) -> patching.Patch:

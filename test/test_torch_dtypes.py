@@ -182,3 +182,20 @@ def test_a_product_of_two_float_dtypes_has_plain_torch_xlas_dtype_and_value(name
     else:
       assert got.grad.dtype == expected.dtype
       torch.testing.assert_close(got.grad.cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("target", ["tensor", "view"])
+def test_an_in_place_result_torch_refuses_to_cast_raises_torchs_error(target):
+  """`int_tensor.sqrt_()`: torch refuses a float result in an integer tensor; torchax wrote it,
+  truncated. Now the region falls back and plain torch_xla raises, the tensor unchanged."""
+  def region(buf):
+    (buf if target == "tensor" else buf[1]).sqrt_()
+    return buf.sum()
+
+  with pytest.raises(RuntimeError, match="can't be cast"):
+    region(torch.arange(6).reshape(2, 3).to("xla"))
+  buf = torch.arange(6).reshape(2, 3).to("xla")
+  with pytest.warns(jb.errors.FallbackWarning, match="can't be cast"), \
+       pytest.raises(RuntimeError, match="can't be cast"):
+    jb.bridge(region)(buf)
+  assert buf.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]

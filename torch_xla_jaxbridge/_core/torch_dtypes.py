@@ -7,7 +7,9 @@ the dtype torch gives for the same arguments, read from torch's meta kernels (sh
 no data; once per op and argument dtypes), where the two differ in kind: integers, or 64-bit
 floats on one side. Bridged code is traced in JAX's 64-bit mode, so int64 and float64 exist;
 where a JAX function converts torch code in 32-bit mode (`jaxify` in the user's JAX), a 64-bit
-dtype stays its 32-bit form, as JAX has it.
+dtype stays its 32-bit form, as JAX has it. An in-place op whose result torch's meta kernel
+refuses to cast into its target (`int_tensor.sqrt_()`) raises torch's error: the region falls
+back, and plain torch_xla raises it (torchax had written the result, truncated).
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def dispatcher(env: Environment) -> Callable[..., Any]:
       expected = _meta_dtypes(func, args, kwargs)
     if expected is _UNKNOWN:
       expected = _EXPECTED[key] = _meta_dtypes(func, args, kwargs)
+    if isinstance(expected, str):  # torchax wrote a result torch refuses to cast: torch's error
+      raise RuntimeError(expected)
     return out if expected is None else _cast(env, out, expected)
 
   return dispatch_with_torch_dtypes
@@ -102,9 +106,10 @@ def _signature(value: object) -> object:
   return value
 
 
-def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | None:
+def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | str | None:
   """The dtypes of torch's results of `func` for these arguments, or None where torch's meta
-  kernel cannot say (data-dependent shapes, an op without one)."""
+  kernel cannot say (data-dependent shapes, an op without one), or torch's message where it
+  refuses to write a result into a tensor of another kind (`int_tensor.sqrt_()`)."""
   jax = runtime.jax_module()
   is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
   meta_args, meta_kwargs = jax.tree.map(
@@ -114,6 +119,8 @@ def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | 
     meta_kwargs["device"] = _META
   try:
     result = func(*meta_args, **meta_kwargs)
+  except RuntimeError as e:
+    return str(e) if "can't be cast" in str(e) else None  # as below, or torch's refusal
   except Exception:  # noqa: BLE001  (torch says nothing for this call: keep torchax's dtypes)
     return None
   return [t.dtype if is_tensor(t) else None

@@ -13,7 +13,8 @@ nothing (the gradients are JAX's). A tensor answers from an attribute (`MARK`), 
 torch's and torchax's own, which read torch's flag (`torchax_private.report_requires_grad`).
 Where the traced code turns grad mode off itself (`torch.no_grad()`, `set_grad_enabled(False)`,
 `inference_mode()`) inside a call made with it on, what ops compute there is cut from JAX's
-gradients (`jax.lax.stop_gradient`), as torch's autograd records none of it (`dispatcher`).
+gradients (`jax.lax.stop_gradient`), as torch's autograd records none of it, views taken there
+read cut, and a tensor written in place there keeps its gradient path (`dispatcher`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 torchax converts some in-place ops by functional ones that return a new tensor: on a view
 (`buf[1].fill_(0)`, `x[:, 0].masked_fill_(m, 0)`, `v.zero_()`, `lerp_`, `addcmul_`,
 `index_fill_`) the write never reached the viewed tensor, so the caller's tensor kept its old
-value, silently. Others have no conversion at all (`neg_`, `exp_`, `abs_`, `sqrt_`, ...: the
+value, silently. Others have no conversion at all (`neg_`, `exp_`, `abs_`, `floor_`, ...: the
 region fell back). Here such an op writes its result through the view, and an in-place op with no
 conversion runs its functional form and writes the result into its target. An indexed
 assignment (`y[0] = v`, torchax's `__setitem__`, not an op its dispatch sees) made under
@@ -50,7 +50,7 @@ def _dispatch(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict
 
 def _write(target: Any, out: Any) -> None:
   """`out` written into `target`; refused as torch refuses it where `out`'s dtype cannot be cast
-  to `target`'s (`int_tensor.sqrt_()`): the region falls back, where torch raises."""
+  to `target`'s (`int_tensor.exp_()`): the region falls back, where torch raises."""
   if not torch.can_cast(out.dtype, target.dtype):
     raise RuntimeError(
         f"an in-place op's result type {out.dtype} can't be cast to the desired output type "

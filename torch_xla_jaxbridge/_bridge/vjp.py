@@ -31,7 +31,6 @@ def forward_half(run: Callable, policy: Callable | None, diff: Sequence[Any]) ->
     run = jax.checkpoint(run, policy=policy)
   with recompute.differentiated():
     floats, vjp_fn, (others, mutated, layout) = jax.vjp(run, *diff, has_aux=True)
-  read = jax_private.tangents_read(vjp_fn) or (True,) * len(diff)
   vjp_fn = jax_private.vjp_without_known_values(vjp_fn)  # no traced value in its tree
   residuals, tree = jax.tree.flatten(vjp_fn)
   # a residual that is one of the inputs (a weight kept for the input's gradient) is not
@@ -45,7 +44,7 @@ def forward_half(run: Callable, policy: Callable | None, diff: Sequence[Any]) ->
                   for r in computed)
   kept = Residuals(tree, sources, tuple(used), tuple(r.dtype for r in computed), on_host,
                    policy is not None, bool(jax.config.jax_enable_x64),
-                   tuple(i for i, r in enumerate(read) if not r))
+                   tuple(sorted(jax_private.tangents_unread(vjp_fn))))
   computed = [dtypes.torch_compatible(jax, r) for r in computed]
   return floats, others, mutated, (kept, computed), layout
 

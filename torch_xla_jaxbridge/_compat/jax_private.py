@@ -248,29 +248,29 @@ def vjp_without_known_values(vjp_fn: Any) -> Any:
                  partial(functools.partial(inner.func.func, cleaned, jaxpr), *inner.args))
 
 
-def tangents_read(vjp_fn: Any) -> tuple[bool, ...] | None:
-  """Per input of `jax.vjp`'s function (its flat primal inputs, in order), whether its tangent
-  reaches an output in the linear program `ad.vjp` keeps (`partial(unbound_vjp, pvals, jaxpr)`);
-  one that never does (unused, or cut by `stop_gradient`) has a gradient that is zero by
-  construction, where torch's autograd gives None. None when the function is not built so (a
-  JAX change): then every input counts as read. Public alternative: `jax.make_jaxpr` of the
-  backward and a dependency walk, one more trace.
+def tangents_unread(vjp_fn: Any) -> frozenset[int]:
+  """The positions of the inputs of `jax.vjp`'s function (its flat primal inputs) whose tangent
+  reaches no output in the linear program `ad.vjp` keeps (`partial(unbound_vjp, pvals, jaxpr)`):
+  unused, or cut by `stop_gradient`, their gradient is zero by construction, where torch's
+  autograd gives None. Empty when the function is not built so (a JAX change): then every input
+  counts as read. Public alternative: `jax.make_jaxpr` of the backward and a dependency walk,
+  one more trace.
 
   Example:
     >>> jax = _jax()
     >>> f = lambda a, b, c: (a * 2).sum() + jax.lax.stop_gradient(b).sum()
     >>> ones = jax.numpy.ones(2)
-    >>> tangents_read(jax.vjp(f, ones, ones, ones)[1])
-    (True, False, False)
+    >>> sorted(tangents_unread(jax.vjp(f, ones, ones, ones)[1]))
+    [1, 2]
   """
   try:
     (inner,) = vjp_fn.args
     _, jaxpr = inner.func.args
     eqns, invars, outvars = jaxpr.eqns, jaxpr.invars, jaxpr.outvars
   except (AttributeError, TypeError, ValueError):
-    return None
+    return frozenset()
   live = {v for v in outvars if hasattr(v, "aval") and not hasattr(v, "val")}
   for eqn in reversed(eqns):
     if eqn.effects or any(v in live for v in eqn.outvars):
       live.update(v for v in eqn.invars if not hasattr(v, "val"))
-  return tuple(v in live for v in invars)
+  return frozenset(i for i, v in enumerate(invars) if v not in live)

@@ -85,13 +85,8 @@ def entered(caller: Caller, tensors: dict[int, torch.Tensor]) -> Iterator[None]:
   for array_id in caller.requiring:
     if array_id in tensors:
       mark(tensors[array_id])
-  outer = getattr(_TRACE, "grad_on", False)
-  _TRACE.grad_on = caller.grad_enabled
-  try:
-    with torch.set_grad_enabled(caller.grad_enabled):
-      yield
-  finally:
-    _TRACE.grad_on = outer
+  with _trace_grad_on(caller.grad_enabled), torch.set_grad_enabled(caller.grad_enabled):
+    yield
 
 
 @contextlib.contextmanager
@@ -105,11 +100,17 @@ def function_forward() -> Iterator[None]:
     ...   torch.is_grad_enabled(), _TRACE.grad_on
     (False, False)
   """
+  with _trace_grad_on(False), torch.no_grad():
+    yield
+
+
+@contextlib.contextmanager
+def _trace_grad_on(grad_on: bool) -> Iterator[None]:
+  """Inside the block the running trace stands for a call made with grad mode `grad_on`."""
   outer = getattr(_TRACE, "grad_on", False)
-  _TRACE.grad_on = False
+  _TRACE.grad_on = grad_on
   try:
-    with torch.no_grad():
-      yield
+    yield
   finally:
     _TRACE.grad_on = outer
 
@@ -143,9 +144,13 @@ def differentiable(inputs: Any) -> bool:
 
 def _mark_floats(values: Any) -> None:
   for value in values:
-    if isinstance(value, torch.Tensor) and (value.dtype.is_floating_point
-                                            or value.dtype.is_complex):
+    if isinstance(value, torch.Tensor) and _is_float(value):
       mark(value)
+
+
+def _is_float(tensor: torch.Tensor) -> bool:
+  """Whether `tensor` can carry a gradient: floating-point or complex."""
+  return tensor.dtype.is_floating_point or tensor.dtype.is_complex
 
 
 def _any_marked(args: Any, kwargs: dict | None) -> bool:
@@ -193,16 +198,14 @@ def _stop_floats(values: Any, args: Any, kwargs: dict | None) -> None:
   jax = runtime.jax_module()
   given = {id(a) for a in torch_private.tree_leaves((args, kwargs or {}))}
   for value in values:
-    if (type(value) is torchax.tensor.Tensor and id(value) not in given
-        and (value.dtype.is_floating_point or value.dtype.is_complex)):
+    if type(value) is torchax.tensor.Tensor and id(value) not in given and _is_float(value):
       torchax_private.set_array(value, jax.lax.stop_gradient(value.jax()))
 
 
 def _cut_view(out: Any) -> Any:
   """`out`, or where it is a view (`x[0]`) of a torchax tensor, a view of it whose reads are cut
   from JAX's gradients (writes through it still reach the viewed tensor, as in torch)."""
-  if torchax_private.view_source(out) is None or not (out.dtype.is_floating_point or
-                                                      out.dtype.is_complex):
+  if torchax_private.view_source(out) is None or not _is_float(out):
     return out
   return torchax_private.view_reading_through(out, runtime.jax_module().lax.stop_gradient)
 
@@ -233,8 +236,7 @@ def arrays_of(values: Any) -> list:
   for leaf in torch_private.tree_leaves(values):
     source = torchax_private.view_source(leaf)
     tensor = leaf if source is None else source
-    if type(tensor) is torchax.tensor.Tensor and (tensor.dtype.is_floating_point or
-                                                 tensor.dtype.is_complex):
+    if type(tensor) is torchax.tensor.Tensor and _is_float(tensor):
       found[id(tensor)] = (tensor, tensor.jax())
   return list(found.values())
 

@@ -172,14 +172,14 @@ class TrainStep:  # size: its annotated signatures (typed core, issue 39) took i
       grads = vjp_fn(jax.numpy.ones_like(loss))
     # a parameter the loss does not depend on keeps its value and state, as torch's optimizers
     # skip a parameter whose .grad is None (AdamW would otherwise decay it)
-    read = jax_private.tangents_read(vjp_fn) or (True,) * len(diff)
+    unread = jax_private.tangents_unread(vjp_fn)
     params = [diff[i] for i in positions]
     grads = [grads[i] for i in positions]
     moved = (statics["layout"].moved(_layer_parameters(chains, positions, len(indices)), indices)
              if statics["layout"] is not None else None)
     return loss, optim.apply_rule(params, grads, states, scalars, moved=moved,
                                   unchanged=tuple(k for k, i in enumerate(positions)
-                                                  if not read[i]), **statics), aux
+                                                  if i in unread), **statics), aux
 
 
 def _looped(step: TrainStep, loss_of: Callable, diff: Sequence[Any],

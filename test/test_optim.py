@@ -2,6 +2,7 @@
 on eager CPU, graph nodes, traces and compiles under a changing learning rate, state dicts into
 torch's optimizers and back, the schedule helpers."""
 import copy
+import dataclasses
 import pathlib
 import re
 
@@ -453,3 +454,32 @@ def test_the_gradients_norm_is_computed_only_for_clipping(dev):
   clipped_norm, clipped = reductions(1.0)
   assert unclipped_norm is None and clipped_norm is not None
   assert clipped - unclipped == len(list(mlp(dev).parameters())) + 1  # and the norm of norms
+
+
+@pytest.mark.parametrize("entry", ["optimizer step", "train_step"])
+def test_the_update_rule_is_traced_once_per_parameter_shape(dev, entry):
+  traced_shapes = []
+
+  def counting(p, g, state, hyper, options):
+    traced_shapes.append(tuple(p.shape))
+    return jb.optim.AdamW.rule.update(p, g, state, hyper, options)
+
+  class CountingAdamW(jb.optim.AdamW):
+    rule = dataclasses.replace(jb.optim.AdamW.rule, update=counting)
+
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(dev)
+  reference = copy.deepcopy(model)
+  opt = CountingAdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+  ref_opt = jb.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.1)
+  x = torch.randn(4, 8).to(dev)
+  for m, o in [(model, opt), (reference, ref_opt)]:
+    if entry == "train_step":
+      jb.train_step(lambda x: m(x).square().mean(), o, layer_loop=False)(x)
+    else:
+      m(x).square().mean().backward()
+      o.step()
+    torch_xla.sync()
+  assert sorted(traced_shapes) == [(8,), (8, 8)]  # not once per parameter (8 of them)
+  for p, q in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p.cpu(), q.cpu(), rtol=0, atol=0)

@@ -15,6 +15,22 @@ def _sum_of_squares(jnp, g):
   return jnp.sum(g * g)
 
 
+_UPDATES: dict = {}  # (rule, its options) -> the rule's update, jitted
+
+
+def _traced_once(rule: Rule, options: dict) -> Any:
+  """`rule.update` with `options` as a `jax.jit` function, one per rule and options: inside the
+  step's trace JAX traces and lowers it once per parameter shape and dtype, and the step calls
+  that one program for every parameter of that shape (9 programs for a Llama's 288 parameters at
+  32 layers, instead of 288 traces)."""
+  key = (rule, tuple(sorted(options.items())))
+  found = _UPDATES.get(key)
+  if found is None:
+    found = _UPDATES[key] = runtime.jax_module().jit(
+        lambda p, g, state, hyper: rule.update(p, g, state, hyper, options))
+  return found
+
+
 def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: Rule,
                names: tuple, options: tuple, clip: bool, rows: tuple | None = None,
                layout: FlatLayout | None = None, moved: dict | None = None,
@@ -53,7 +69,7 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   new_params, new_states = [], []
   for i, (p, g, state) in enumerate(zip(params, grads, states)):
     new_p, new_state = ((p, state) if i in unchanged else
-                        rule.update(p, g, state, hypers[rows[i]], options[rows[i]]))
+                        _traced_once(rule, options[rows[i]])(p, g, state, hypers[rows[i]]))
     new_params.append(new_p.astype(p.dtype))
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})

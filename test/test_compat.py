@@ -577,3 +577,21 @@ def test_dynamo_compiling_is_true_only_in_code_dynamo_traces():
   compiled = torch.compile(lambda x: x + 1 if torch_private.dynamo_compiling() else x - 1,
                            backend="eager")
   assert compiled(torch.zeros(1)).item() == 1.0 and not torch_private.dynamo_compiling()
+
+
+def test_modes_disabled_hides_an_active_dispatch_mode():
+  seen = []
+
+  class Seen(torch_dispatch_private.dispatch_mode()):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+      seen.append(func)
+      return func(*args, **(kwargs or {}))
+
+  with Seen():
+    torch.ones(2, device="meta").neg()
+    count = len(seen)
+    with torch_dispatch_private.modes_disabled():
+      torch.ones(2, device="meta").neg()
+    assert len(seen) == count
+    torch.ones(2, device="meta").neg()  # the mode is back after the block
+  assert len(seen) > count

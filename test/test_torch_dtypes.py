@@ -1,5 +1,6 @@
 """Inside bridged code every op's result has torch's dtype: int64 indices and counts, float32 from
 Python floats, float64 when asked; library checks on dtypes pass. Against eager CPU torch."""
+import re
 import warnings
 
 import pytest
@@ -199,3 +200,31 @@ def test_an_in_place_result_torch_refuses_to_cast_raises_torchs_error(target):
        pytest.raises(RuntimeError, match="can't be cast"):
     jb.bridge(region)(buf)
   assert buf.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("op", ["mul_", "add_", "div_", "sub_"])
+def test_an_in_place_float_result_into_integers_is_plain_torch_xlas_or_its_error(op):
+  """`int_tensor.mul_(float_tensor)`: eager refuses; torchax wrote the product truncated. The
+  region now falls back, so the result is plain torch_xla's (its value, or its error where it
+  raises: `add_`, `sub_`), and strict bridging raises torch's refusal."""
+  def region(a, b):
+    out = a.clone()
+    getattr(out, op)(b)
+    return out
+
+  a, b = torch.arange(4).to("xla"), torch.full((4,), 1.5).to("xla")
+  with pytest.raises(RuntimeError) as eager:
+    region(a.cpu(), b.cpu())
+  try:
+    plain = region(a, b).cpu()
+  except RuntimeError as e:
+    plain = e
+  with pytest.warns(jb.errors.FallbackWarning):
+    if isinstance(plain, RuntimeError):
+      with pytest.raises(RuntimeError, match=re.escape(str(plain)[:40])):
+        jb.bridge(region)(a, b)
+    else:
+      assert jb.bridge(region)(a, b).cpu().tolist() == plain.tolist()
+  with pytest.raises(jb.errors.JaxTracingError, match="can't be cast|not possible"):
+    jb.bridge(region, fallback=False)(a, b)
+  assert "can't be cast" in str(eager.value)

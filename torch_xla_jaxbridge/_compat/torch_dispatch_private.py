@@ -136,3 +136,19 @@ def functional_of_in_place(op: Any) -> Any:
     return None
   packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
   return getattr(packet, overload or "default", None) if packet is not None else None
+
+
+def modes_disabled() -> Any:
+  """A context in which no Python dispatch mode (torchax's included) sees the ops run: what
+  `_core.torch_dtypes` asks torch's meta kernels runs on torch's own kernels, not back through
+  the trace's conversion. Public alternative: none
+  (`torch.utils._python_dispatch._disable_current_modes`).
+
+  Example:
+    >>> with modes_disabled():
+    ...   torch.empty(2, device="meta").add_(1).device.type
+    'meta'
+  """
+  from torch.utils._python_dispatch import _disable_current_modes
+
+  return _disable_current_modes()

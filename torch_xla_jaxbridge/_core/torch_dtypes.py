@@ -109,7 +109,8 @@ def _signature(value: object) -> object:
 def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | str | None:
   """The dtypes of torch's results of `func` for these arguments, or None where torch's meta
   kernel cannot say (data-dependent shapes, an op without one), or torch's message where it
-  refuses to write a result into a tensor of another kind (`int_tensor.sqrt_()`)."""
+  refuses to write a result into a tensor of another kind (`int_tensor.sqrt_()`,
+  `int_tensor.add_(float_tensor)`, `int_tensor.mul_(float_tensor)`)."""
   jax = runtime.jax_module()
   is_tensor = lambda t: isinstance(t, torch.Tensor)  # noqa: E731
   meta_args, meta_kwargs = jax.tree.map(
@@ -118,13 +119,48 @@ def _meta_dtypes(func: Callable, args: Sequence, kwargs: dict | None) -> list | 
   if "device" in meta_kwargs:
     meta_kwargs["device"] = _META
   try:
-    result = func(*meta_args, **meta_kwargs)
-  except RuntimeError as e:
-    return str(e) if "can't be cast" in str(e) else None  # as below, or torch's refusal
+    with torch_dispatch_private.modes_disabled():  # torch's kernels, not the trace's conversion
+      result = func(*meta_args, **meta_kwargs)
+  except RuntimeError as e:  # torch refuses a cast (`add_` on ints: in its own words)
+    refused = ("can't be cast" in str(e)
+               or _in_place_refusal(func, meta_args, meta_kwargs) is not None)
+    return str(e) if refused else None
   except Exception:  # noqa: BLE001  (torch says nothing for this call: keep torchax's dtypes)
     return None
-  return [t.dtype if is_tensor(t) else None
-          for t in jax.tree.leaves(result, is_leaf=is_tensor)]
+  return _in_place_refusal(func, meta_args, meta_kwargs) or [
+      t.dtype if is_tensor(t) else None for t in jax.tree.leaves(result, is_leaf=is_tensor)]
+
+
+def _in_place_refusal(func: Callable, meta_args: tuple, meta_kwargs: dict) -> str | None:
+  """Torch's message where an in-place op's result type cannot be cast to its target's
+  (`int_tensor.mul_(float_tensor)`: eager raises, while torch's meta kernel for `mul_` does not
+  check), read from the result type of the op's functional form; None otherwise. Ops that cast
+  what they write (`copy_`, `fill_`, `masked_fill_`) keep the target's dtype in their functional
+  form, so they pass."""
+  result = _functional_result(func, meta_args, meta_kwargs)
+  target = meta_args[0].dtype if result is not None else None
+  if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, target):
+    return f"result type {_type_name(result.dtype)} can't be cast to the desired output type " \
+           f"{_type_name(target)}"
+  return None
+
+
+def _functional_result(func: Callable, meta_args: tuple, meta_kwargs: dict) -> Any:
+  """What the functional form of the in-place op `func` gives on these meta arguments; None
+  where `func` is not in-place or its functional form fails."""
+  functional = torch_dispatch_private.functional_of_in_place(func)
+  if functional is None or not meta_args or not isinstance(meta_args[0], torch.Tensor):
+    return None
+  try:
+    with torch_dispatch_private.modes_disabled():
+      return functional(*meta_args, **meta_kwargs)
+  except Exception:  # noqa: BLE001  (nothing to compare with)
+    return None
+
+
+def _type_name(dtype: torch.dtype) -> str:
+  """Torch's name of a dtype in its cast errors: `Float`, `Long`."""
+  return torch.empty((), dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")
 
 
 def _as_meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,9 @@ def test_keys_are_split_only_for_layers_that_draw_random_numbers(dev):
   x = torch.ones(4, 8, device=dev)
   plain = jb.scan_layers([torch.nn.Linear(8, 8).to(dev) for _ in range(3)], x)
   random = jb.scan_layers([torch.nn.Dropout(0.5) for _ in range(3)], x)
-  assert "threefry" not in torch_xla._XLAC._get_xla_tensors_hlo([plain])
-  assert "threefry" in torch_xla._XLAC._get_xla_tensors_hlo([random])
+  assert "rng-bit-generator" not in torch_xla._XLAC._get_xla_tensors_hlo([plain])
+  # the split into 3 keys (an unsafe_rbg split draws 10 rows of 4 words per key)
+  assert "u32[30,4]" in torch_xla._XLAC._get_xla_tensors_hlo([random])
 
 
 def test_traced_once_across_steps_and_depths_share_nothing_per_layer(dev):

@@ -14,7 +14,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import call, grad_reads, recompute, runtime, tracing
+from torch_xla_jaxbridge._core import call, grad_reads, recompute, rng, runtime, tracing
 from torch_xla_jaxbridge._core.runtime import PyTree
 
 if TYPE_CHECKING:
@@ -83,4 +83,4 @@ def _key_from_seed(jax: types.ModuleType, seed: int | torch.Tensor) -> jax_types
     s = tracing.to_jax(seed).reshape(())
     high = s >> 32 if s.dtype.itemsize == 8 else s >> 31  # the sign's bits for a 32-bit seed
     data = jax.numpy.stack([high.astype(jax.numpy.uint32), s.astype(jax.numpy.uint32)])
-  return jax.random.wrap_key_data(data)
+  return rng.key_from_data(jax, jax.lax.bitcast_convert_type(data, jax.numpy.int32))

@@ -12,7 +12,7 @@ import torch
 
 from torch_xla_jaxbridge import errors
 from torch_xla_jaxbridge._compat import torchax_private
-from torch_xla_jaxbridge._core import grad_reads, runtime, tracing
+from torch_xla_jaxbridge._core import grad_reads, rng, runtime, tracing
 from torch_xla_jaxbridge._core.sharding import check_mesh
 
 
@@ -219,7 +219,9 @@ def _torch_body(fn, axes, where):
 
   def body(*shards):
     tensors = tracing.to_torchax(shards)
-    start = jax.random.fold_in(outer_key, jax.lax.axis_index(axes)) if axes else outer_key
+    # per shard: a threefry key (JAX refuses RngBitGenerator on a key varying along an axis)
+    start = (jax.random.fold_in(rng.threefry_key(jax, outer_key), jax.lax.axis_index(axes))
+             if axes else outer_key)
     with env.override_property(prng=start):
       outputs = fn(*tensors)
       drew.append(torchax_private.current_key(env) is not start)

@@ -595,3 +595,22 @@ def test_modes_disabled_hides_an_active_dispatch_mode():
     assert len(seen) == count
     torch.ones(2, device="meta").neg()  # the mode is back after the block
   assert len(seen) > count
+
+
+def test_environment_class_draws_with_next_key_where_torchax_splits():
+  import torchax.config
+
+  advanced = []
+
+  def next_key(key):
+    advanced.append(key)
+    return jax.random.fold_in(key, 7)
+
+  env = torchax_private.environment_class(print, next_key)(torchax.config.Configuration())
+  first = torchax_private.current_key(env)
+  drawn = env.get_and_rotate_prng_key()  # what torchax's random ops call before each draw
+  assert drawn is first and advanced == [first]
+  assert (jax.random.key_data(torchax_private.current_key(env)) ==
+          jax.random.key_data(jax.random.fold_in(first, 7))).all()
+  seeded = env.get_and_rotate_prng_key(torch.Generator().manual_seed(3))  # torchax's own way
+  assert len(advanced) == 1 and seeded is not None

@@ -120,12 +120,14 @@ def set_array(tensor: Any, array: Any) -> None:
   tensor._elem = array
 
 
-def environment_class(on_plain_tensor: Callable) -> type:
+def environment_class(on_plain_tensor: Callable, next_key: Callable | None = None) -> type:
   """A torchax Environment in which new tensors are JAX values whatever device they name: it
   overrides torchax's `_should_use_torchax_tensor` and `_is_same_device` (private hooks; if they
   are renamed, `torch.zeros(3, device="cpu")` inside bridged code becomes a real CPU tensor and
   math with it an error). `on_plain_tensor(t)` is called for a plain torch tensor that traced
-  code mixes into its math (torchax only `assert`s, which `python -O` removes).
+  code mixes into its math (torchax only `assert`s, which `python -O` removes). With
+  `next_key`, a draw takes the current key and leaves `next_key(key)` in its place, where
+  torchax splits the key (`get_and_rotate_prng_key`, public; the key is `param.prng`).
 
   Example:
     >>> env_type = environment_class(on_plain_tensor=print)
@@ -149,6 +151,13 @@ def environment_class(on_plain_tensor: Callable) -> type:
             leaf, (torchax.tensor.Tensor, torchax.tensor.View)):
           on_plain_tensor(leaf)
       return super().t2j_iso(torchtensors)
+
+    def get_and_rotate_prng_key(self, generator=None):
+      if next_key is None or generator is not None:
+        return super().get_and_rotate_prng_key(generator)
+      key = self.param.prng
+      self.param.prng = next_key(key)
+      return key
 
   return BridgeEnvironment
 

@@ -49,6 +49,30 @@ def data_from_key(jax: types.ModuleType, key: jax_types.Array) -> jax_types.Arra
   return jax.lax.bitcast_convert_type(words[:2], jax.numpy.int32)
 
 
+# odd 32-bit constants (the golden ratio's and a square root's fractions): a key's first two
+# words advance by them at each draw
+_STEPS = (0x9E3779B9, 0xBB67AE85)
+
+
+def next_key(jax: types.ModuleType, key: jax_types.Array) -> jax_types.Array:
+  """The key after `key` in the sequence one trace draws from: its first two words (the
+  generator's key for `unsafe_rbg`, XLA's Philox taking the state's first 64 bits as its key)
+  advanced by two odd constants, so the n-th draw of a trace has key words `k + n * step`, all
+  distinct over 2**32 draws. Two additions per draw, where torchax splits the key: a split is a
+  random-bit op of its own (threefry's rounds, or an RngBitGenerator), which XLA compiles per draw.
+
+  Example:
+    >>> import jax
+    >>> key = key_from_data(jax, jax.numpy.zeros(2, jax.numpy.int32))
+    >>> jax.random.key_data(next_key(jax, key)).tolist() == [0x9E3779B9, 0xBB67AE85, 0, 0]
+    True
+  """
+  jnp = jax.numpy
+  words = jax.random.key_data(key)
+  steps = jnp.zeros(words.shape, jnp.uint32).at[:2].set(jnp.array(_STEPS, jnp.uint32))
+  return jax.random.wrap_key_data(words + steps, impl=jax.random.key_impl(key))
+
+
 def threefry_key(jax: types.ModuleType, key: jax_types.Array) -> jax_types.Array:
   """A threefry key made from `key` (any impl): for draws that differ per shard inside
   shard_map, where JAX refuses RngBitGenerator on a key that varies along a manual axis.

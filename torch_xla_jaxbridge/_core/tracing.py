@@ -17,6 +17,7 @@ This module imports no feature module; features import it and register themselve
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -134,7 +135,8 @@ def environment() -> torchax.tensor.Environment:
   import torch_xla
   import torchax.config
 
-  env_type = torchax_private.environment_class(_plain_tensor_used)
+  env_type = torchax_private.environment_class(_plain_tensor_used,
+                                               functools.partial(rng.next_key, jax))
   torchax_private.report_device(env_type, torch_xla.device())
   torchax_private.report_requires_grad(env_type, grad_reads.MARK)
   # its default key must be a constant even mid-trace; making it starts JAX's backend

@@ -317,4 +317,8 @@ def _set_random_streams(streams: tuple) -> None:
   random.setstate(python)
   numpy.random.set_state(numpy_state)
   torch.set_rng_state(torch_state)
-  xm.set_rng_state(xla_seed)
+  # setting the XLA seed, even to its current value, drops the step's pending seed updates (the
+  # draws made since the last sync) and so changes every later step's numbers: only a changed
+  # seed is put back (a bridged trace draws no XLA numbers, so it normally is not)
+  if xm.get_rng_state() != xla_seed:
+    xm.set_rng_state(xla_seed)

@@ -109,14 +109,15 @@ def main() -> None:
       __file__, [mode, layers, args.steps, int(not args.no_cache)]))
   rows = []
   for layers, mode in cases:
-    runs, plain = results[(layers, mode)], results[(layers, "plain")]
+    runs, plain = results[(layers, mode)], results.get((layers, "plain"), [])  # (not measured:
+    # its ratios are empty)
     rows.append({"layers": layers, "mode": mode, "runs": runs,
                  **harness.spreads(runs, ["step1_s", "warmup_s", "compiles", "steady_ms"]),
                  "step1_x": harness.ratio(runs, plain, "step1_s"),
                  "warmup_x": harness.ratio(runs, plain, "warmup_s"),
                  "steady_x": harness.ratio(runs, plain, "steady_ms"),
                  "step1_x_first": harness.ratio(runs, results[(args.layers[0], mode)], "step1_s"),
-                 "loss_diff": harness.max_difference(runs, plain, "losses")})
+                 "loss_diff": harness.max_difference(runs, plain, "losses") if plain else None})
   print(harness.table(rows, [
       ("layers", "layers"), ("mode", "mode"), ("step 1 s", "step1_s"), ("x plain", "step1_x"),
       (f"x {args.layers[0]} layers", "step1_x_first"),

@@ -541,15 +541,19 @@ def test_jaxpr_readers_for_layer_chains():
   assert float(first_two(0.25)[0]) == pytest.approx(float(jax.numpy.sin(0.5)))
 
 
-def test_dispatch_mode_sees_the_ops_a_meta_tensor_runs():
-  seen = []
-
+def _recording(seen):
+  """A dispatch mode that appends each op it sees to `seen`."""
   class Seen(torch_dispatch_private.dispatch_mode()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
       seen.append(func)
       return func(*args, **(kwargs or {}))
 
-  with Seen():
+  return Seen()
+
+
+def test_dispatch_mode_sees_the_ops_a_meta_tensor_runs():
+  seen = []
+  with _recording(seen):
     (torch.ones(2, device="meta") * 2).sum()
   assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.sum.default in seen
 
@@ -581,13 +585,7 @@ def test_dynamo_compiling_is_true_only_in_code_dynamo_traces():
 
 def test_modes_disabled_hides_an_active_dispatch_mode():
   seen = []
-
-  class Seen(torch_dispatch_private.dispatch_mode()):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-      seen.append(func)
-      return func(*args, **(kwargs or {}))
-
-  with Seen():
+  with _recording(seen):
     torch.ones(2, device="meta").neg()
     count = len(seen)
     with torch_dispatch_private.modes_disabled():

@@ -138,8 +138,10 @@ def _in_place_refusal(func: Callable, meta_args: tuple, meta_kwargs: dict) -> st
   what they write (`copy_`, `fill_`, `masked_fill_`) keep the target's dtype in their functional
   form, so they pass."""
   result = _functional_result(func, meta_args, meta_kwargs)
-  target = meta_args[0].dtype if result is not None else None
-  if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, target):
+  if not isinstance(result, torch.Tensor):
+    return None
+  target = meta_args[0].dtype
+  if not torch.can_cast(result.dtype, target):
     return f"result type {_type_name(result.dtype)} can't be cast to the desired output type " \
            f"{_type_name(target)}"
   return None

@@ -164,7 +164,7 @@ class CacheLayer(torch.nn.Module):
   before its own ("catches": and catches the error that raises); "scaled" doubles its output at
   odd `layer_idx` (an op its index decides); "shifted" adds constants made from its `layer_idx`;
   "function" scales its input's gradient by `layer_idx + 1` in a `torch.autograd.Function`'s
-  backward; "grad_branch" scales by its index only where its input requires grad; "marks_cache"
+  backward ("function_alike": by 2 in every layer); "grad_branch" scales by its index only where its input requires grad; "marks_cache"
   sets an attribute of the cache; "lazy" makes a tensor attribute at its first call."""
 
   def __init__(self, layer_idx, mode=None):
@@ -176,6 +176,8 @@ class CacheLayer(torch.nn.Module):
     i, mode = self.layer_idx, self.mode
     if mode == "function":
       x = _ScaledGradient.apply(x, float(i + 1))
+    if mode == "function_alike":
+      x = _ScaledGradient.apply(x, 2.0)
     k = self.proj(x)
     if mode == "grad_branch" and k.requires_grad:
       k = k * (1.0 + i)
@@ -274,9 +276,15 @@ def test_a_layer_catching_the_error_of_another_slot_is_passed_the_whole_cache():
 
 @pytest.mark.parametrize("mode", ["function", "grad_branch"])
 def test_layers_differing_only_in_their_backward_or_by_grad_keep_their_own_traces(mode):
-  # a Function's backward records no op (each layer keeps its whole-cache trace); a branch on
-  # requires_grad is taken in the fingerprint as in the trace (the scale is an op's argument)
+  # a Function's backward records no op, but what its forward keeps on ctx is compared (each
+  # layer keeps its whole-cache trace); a branch on requires_grad is taken in the fingerprint
+  # as in the trace (the scale is an op's argument)
   assert _cache_stack_against_eager(mode) == 8
+
+
+def test_layers_through_the_same_function_with_the_same_ctx_share_one_trace():
+  # (BLOOM's GeLUFunction in training: its layers had kept a trace each)
+  assert _cache_stack_against_eager("function_alike") == 2
 
 
 def test_a_layer_setting_a_cache_attribute_writes_back_its_own_value():

@@ -122,9 +122,10 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
   current grad mode with each copy requiring grad as its leaf does: each op dispatched, its
   tensors named by where they came from, its other arguments by value (floats by their bits);
   the outputs, and the cache's state after the call. None where the forward cannot run on the
-  meta device, touches another slot (even where it catches the error), or reaches an output
-  through a custom `torch.autograd.Function` (whose backward no op records). `restore()`, given,
-  runs after (what the run changed on the host put back).
+  meta device, or touches another slot (even where it catches the error). An output reached
+  through a custom `torch.autograd.Function` (whose backward no op records) adds the Function's
+  class, what its forward kept on `ctx` and the tensors it saved (`_functions`). `restore()`,
+  given, runs after (what the run changed on the host put back).
 
   Example:
     >>> x, y = torch.ones(2), torch.ones(2)
@@ -157,8 +158,9 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
     try:
       with recorder, _Constants(recorder):
         out = run(*treedef.unflatten(metas))
-      record = (tuple(recorder.log), recorder.key(out), _cache_after(recorder, metas, at))
-      if violated() or _through_functions((out, _cache_tensors(metas, at))):
+      record = (tuple(recorder.log), recorder.key(out), _cache_after(recorder, metas, at),
+                _functions((out, _cache_tensors(metas, at)), recorder))
+      if violated():
         return None
     except Exception:  # noqa: BLE001  (another slot touched, no meta kernel, a value read,
       return None  # a tensor from elsewhere: the layer keeps a trace of its own)
@@ -172,8 +174,13 @@ def fingerprint(run: Callable[..., Any], leaves: list, treedef: Any, at: int,
   return _PRINTS[record]
 
 
-def _through_functions(tree: Any) -> bool:
-  """Whether a tensor of `tree` was computed through a custom `torch.autograd.Function`."""
+def _functions(tree: Any, recorder: _Recorder) -> tuple:
+  """Each custom `torch.autograd.Function` a tensor of `tree` was computed through, whose
+  `backward` no op records: its class, what its `forward` kept on `ctx` and the tensors it saved,
+  by the recorder's keys, so that layers share a trace only where their backward is the same
+  code on the same values (raises `_Unnamed` for a kept object that is not a plain value or a
+  tensor the layer's ops made)."""
+  found = []
   todo: list = [t.grad_fn for t in runtime.jax_module().tree.leaves(tree)
           if isinstance(t, torch.Tensor) and t.grad_fn is not None]
   seen: dict[int, Any] = {}  # each node held: its Python object is made per read, and an id
@@ -182,10 +189,10 @@ def _through_functions(tree: Any) -> bool:
     if node is None or id(node) in seen:
       continue
     seen[id(node)] = node
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-      return True
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a class per Function
+      found.append((type(node), recorder.key(vars(node)), recorder.key(node.saved_tensors)))
     todo.extend(next_node for next_node, _ in node.next_functions)
-  return False
+  return tuple(found)
 
 
 class _Unnamed(Exception):

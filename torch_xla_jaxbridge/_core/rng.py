@@ -21,7 +21,7 @@ def key_from_data(jax: types.ModuleType, key_data: jax_types.Array) -> jax_types
   `unsafe_rbg` key whose generator key is the two words (its counter words zero), so dropout and
   `torch.rand*` lower to XLA's RngBitGenerator as plain torch_xla's do. A threefry key (JAX's
   default) lowers every draw and every split to threefry's rounds, a loop in the program per
-  draw: T5 with dropout compiled about 2x longer bridged than plain.
+  draw: T5 with dropout compiled 1.4-1.6x longer bridged than plain (docs/performance.md).
 
   Example:
     >>> import jax

@@ -140,11 +140,23 @@ def _in_place_refusal(func: Callable, meta_args: tuple, meta_kwargs: dict) -> st
   result = _functional_result(func, meta_args, meta_kwargs)
   if not isinstance(result, torch.Tensor):
     return None
-  target = meta_args[0].dtype
-  if not torch.can_cast(result.dtype, target):
-    return f"result type {_type_name(result.dtype)} can't be cast to the desired output type " \
-           f"{_type_name(target)}"
-  return None
+  return cast_refusal(result.dtype, meta_args[0].dtype)
+
+
+def cast_refusal(result: torch.dtype, target: torch.dtype) -> str | None:
+  """Torch's message where an in-place op may not write a `result` dtype into a `target` one
+  (`torch.can_cast`), else None.
+
+  Example:
+    >>> cast_refusal(torch.float32, torch.int64)
+    "result type Float can't be cast to the desired output type Long"
+    >>> cast_refusal(torch.int64, torch.float32) is None
+    True
+  """
+  if torch.can_cast(result, target):
+    return None
+  return (f"result type {_type_name(result)} can't be cast to the desired output type "
+          f"{_type_name(target)}")
 
 
 def _functional_result(func: Callable, meta_args: tuple, meta_kwargs: dict) -> Any:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from torch_xla_jaxbridge._compat import torch_dispatch_private, torchax_private
-from torch_xla_jaxbridge._core import grad_reads, patching, tracing
+from torch_xla_jaxbridge._core import grad_reads, patching, torch_dtypes, tracing
 
 
 def _dispatch(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict | None) -> Any:
@@ -51,10 +49,9 @@ def _dispatch(dispatch: Callable, func: Any, types: Any, args: Any, kwargs: dict
 def _write(target: Any, out: Any) -> None:
   """`out` written into `target`; refused as torch refuses it where `out`'s dtype cannot be cast
   to `target`'s (`int_tensor.exp_()`): the region falls back, where torch raises."""
-  if not torch.can_cast(out.dtype, target.dtype):
-    raise RuntimeError(
-        f"an in-place op's result type {out.dtype} can't be cast to the desired output type "
-        f"{target.dtype}, as torch refuses it")
+  refusal = torch_dtypes.cast_refusal(out.dtype, target.dtype)
+  if refusal is not None:
+    raise RuntimeError(refusal)
   torchax_private.write_into(target, out)
 
 

@@ -58,8 +58,8 @@ def cauchy_(input: Any, median: float = 0.0, sigma: float = 1.0, *, generator: A
 
 
 def random_from(input: Any, low: int, high: int | None, *, generator: Any = None) -> Any:
-  """`Tensor.random_(from, to)`: integers in `[from, to)` (`to` None: as torch's widest range
-  for the dtype is not reproduced here, the region falls back).
+  """`Tensor.random_(from, to)`: integers in `[from, to)`. With `to` None (torch's widest range
+  for the dtype) it raises, and the region falls back.
 
   Example:
     >>> from torch_xla_jaxbridge import bridge

@@ -13,6 +13,8 @@ Modes, each (mode, depth) in its own process, alternated over rounds:
 - `train_step looped SGD`: the same with `jb.optim.SGD` (an update of one multiply-add per
   parameter: what the layers' loop costs at depth without AdamW's per-parameter kernels);
 - `train_step unrolled`: the same with `layer_loop=False` (one copy of each layer in the program).
+With `--other PATH` each mode but `plain` runs a second time, as `MODE (other)`, with the package
+at PATH first on the path (a checkout of another version: a before-and-after in one run).
 
 With `--no-cache` the config has `use_cache=False` (as training scripts and gradient
 checkpointing set it): no `DynamicCache` is made and the layers never read their `layer_idx`.
@@ -25,10 +27,11 @@ step (median of the steps after warm-up) and every step's loss. Ratios are per r
 against the same mode at the first depth given (how it grows with depth).
 
   python scripts/bench_depth.py [--layers 4 16 32] [--rounds 3] [--steps 5] [--no-cache]
-      [--json scripts/out/bench_depth.json]
+      [--modes ...] [--other PATH] [--json scripts/out/bench_depth.json]
 """
 import argparse
 import statistics
+import sys
 import time
 
 import harness
@@ -37,7 +40,13 @@ MODES = ["plain", "by class", "by class + jb AdamW", "train_step", "train_step l
          "train_step looped SGD", "train_step unrolled"]
 
 
-def child(mode: str, layers: int, steps: int, use_cache: int) -> dict:
+OTHER = " (other)"
+
+
+def child(mode: str, layers: int, steps: int, use_cache: int, other: str) -> dict:
+  if mode.endswith(OTHER):
+    sys.path.insert(0, other)
+    mode = mode[:-len(OTHER)]
   import torch
   import torch_xla
   import torch_xla.core.xla_model as xm
@@ -92,7 +101,7 @@ def child(mode: str, layers: int, steps: int, use_cache: int) -> dict:
   last = max(i for i in range(steps) if counts[i] > (counts[i - 1] if i else 0))
   return {"step1_s": walls[0], "warmup_s": sum(walls[:last + 1]), "compiles": counts[last],
           "steady_ms": 1e3 * statistics.median(walls[last + 1:]) if last + 1 < steps else None,
-          "losses": losses}
+          "losses": losses, "package": jb.__file__}
 
 
 def main() -> None:
@@ -102,11 +111,14 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--modes", nargs="+", default=MODES)
   parser.add_argument("--no-cache", action="store_true", help="the config's use_cache=False")
+  parser.add_argument("--other", default="", help="a checkout of another version to compare")
   parser.add_argument("--json", default="scripts/out/bench_depth.json")
   args = parser.parse_args()
-  cases = [(layers, mode) for layers in args.layers for mode in args.modes]
+  modes = [m + suffix for m in args.modes
+           for suffix in ([""] + ([OTHER] if args.other and m != "plain" else []))]
+  cases = [(layers, mode) for layers in args.layers for mode in modes]
   results = harness.rounds(cases, args.rounds, lambda layers, mode: harness.run_child(
-      __file__, [mode, layers, args.steps, int(not args.no_cache)]))
+      __file__, [mode, layers, args.steps, int(not args.no_cache), args.other]))
   rows = []
   for layers, mode in cases:
     runs, plain = results[(layers, mode)], results.get((layers, "plain"), [])  # (not measured:

@@ -4,6 +4,7 @@ with the package's entry points). test_runtime runs both in fresh processes and 
 
   python test/process_state_check.py plain|bridged
 """
+import gc
 import json
 import logging
 import os
@@ -88,6 +89,7 @@ def state():
                       logging.getLogger(n).propagate) for n in ["" ] + LOGGERS},
       "warning filters": len(warnings.filters),
       "recursion limit": sys.getrecursionlimit(),
+      "garbage collector": [gc.isenabled(), gc.get_threshold(), gc.get_freeze_count()],
       "random draws": [torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random(),
                        xm.get_rng_state()],
       "pinned batches": pinned_batches(),

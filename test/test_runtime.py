@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parents[1]  # the working directory: this checkout's package
 PROBE = ("import torch_xla_jaxbridge, os, torch_xla, torch_xla.runtime as xr, jax\n"
@@ -64,7 +65,8 @@ def test_jax_imported_first_still_works(fresh_interpreters):
 def test_bridged_training_leaves_the_process_as_plain_torch_xla_does():
   """torch's accelerator and device registry, `DataLoader(pin_memory=True)` (here and in another
   thread), default dtype and device, mode stacks, autocast, environment variables, threads,
-  loggers, warning filters, the torch/NumPy/Python/XLA random streams and JAX's options: after
+  loggers, warning filters, the garbage collector, the torch/NumPy/Python/XLA random streams
+  and JAX's options: after
   four steps trained through `bridge_modules`, `bridge` and `train_step`, as after the same steps
   in plain torch_xla (each in a fresh process)."""
   script = str(ROOT / "test" / "process_state_check.py")
@@ -80,3 +82,31 @@ def test_bridged_training_leaves_the_process_as_plain_torch_xla_does():
   assert plain["pinned batches"]["other thread"] == [[0, 1], [2, 3]]
   assert plain["accelerator"] != "jax"
   assert {k: v for k, v in bridged.items() if plain[k] != v} == {}
+
+
+def test_traces_run_with_the_garbage_collector_paused():
+  """A trace runs without cyclic collections (they took a fifth of a deep step's trace), and
+  the collector is after it as it was before: on, or off where the user turned it off, also
+  when the trace raises."""
+  import gc
+  import jax.numpy as jnp
+  import torch_xla_jaxbridge as jb
+  seen = []
+
+  def traced(a):
+    seen.append(gc.isenabled())
+    return a + jnp.float32(1)
+
+  try:
+    assert jb.call_jax(traced, (torch.ones(3, device="xla"),)).cpu().tolist() == [2.0] * 3
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    jb.call_jax(traced, (torch.ones(4, device="xla"),))
+    assert seen == [False, False] and not gc.isenabled()
+    gc.enable()
+    with pytest.raises(jb.errors.JaxTracingError, match="broken"):
+      jb.call_jax(lambda a: (seen.append(gc.isenabled()), 1 / 0), (torch.ones(5, device="xla"),),
+                  name="broken")
+    assert seen == [False, False, False] and gc.isenabled()
+  finally:
+    gc.enable()

@@ -61,6 +61,13 @@ def lower(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any], *, op_
     >>> kept
     (0,)
   """
+  with runtime.gc_paused():  # the trace's many objects set off collections (`gc_paused`)
+    return _traced_and_lowered(flat_fn, avals, op_name, enable_x64, platform)
+
+
+def _traced_and_lowered(flat_fn: Callable[..., tuple[list, Any]], avals: Sequence[Any],
+                        op_name: str, enable_x64: bool,
+                        platform: str | None) -> tuple[Any, Any, tuple | None]:
   jax = runtime.jax_module()
   out_tree = []
 

@@ -1,5 +1,6 @@
 """Layers called one after another run as one loop (`_core.layer_chains`, `_core.layer_loops`), and `jb.train_step`
 over an unmodified Hugging Face decoder compiles one layer body whatever its depth."""
+import copy
 import gc
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,49 @@ def test_hugging_face_llama_trains_as_eager_with_its_layers_looped(layer_loop, l
   np.testing.assert_allclose(norms, eager_norms, rtol=1e-4)
   for p, q in zip(model.parameters(), moved.parameters()):
     np.testing.assert_allclose(q.cpu().detach().numpy(), p.detach().numpy(), atol=2e-5)
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, num_hidden_layers=4,
+              attn_implementation="eager")
+# 4 layers whose attention alternates between two kinds: the same code reads another mask or
+# window per layer
+_ALTERNATING = {
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **_SMALL, head_dim=8, sliding_window=4, query_pre_attn_scalar=8)),
+    "qwen2 sliding from layer 2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **_SMALL, use_sliding_window=True, sliding_window=3, max_window_layers=2)),
+    "gpt_neo": lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, window_size=3,
+        attention_types=[[["global", "local"], 2]], max_position_embeddings=64,
+        embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0)),
+}
+
+
+@pytest.mark.parametrize("name, looped", [
+    ("gemma2", (2, 2)),
+    *[pytest.param(name, looped, marks=pytest.mark.slow)
+      for name, looped in [("qwen2 sliding from layer 2", (2, 2)), ("gpt_neo", (4,))]]])
+def test_layers_of_alternating_attention_kinds_loop_with_their_own_masks(name, looped,
+                                                                        loop_from_two,
+                                                                        monkeypatch):
+  """Sliding-window and global layers (a padded batch): each loop runs its layers with their own
+  mask, with eager's losses and gradient norms."""
+  torch.manual_seed(0)
+  model = _ALTERNATING[name]().train()
+  moved = copy.deepcopy(model).to("xla")
+  moved.tie_weights()  # (moving a copy unties the embeddings, in plain torch_xla too)
+  steps, real = [], jb.train_step
+  monkeypatch.setattr(jb, "train_step", lambda *a, **k: steps.append(real(*a, **k)) or steps[-1])
+  ids = torch.randint(1, 64, (2, 12))
+  mask = torch.ones_like(ids)
+  mask[1, 8:] = 0
+  labels = ids.masked_fill(mask == 0, -100)
+  eager, losses, eager_norms, norms = zoo.eager_against_train_step(
+      model, moved, {"input_ids": ids, "attention_mask": mask, "labels": labels}, 3)
+  assert steps[0].looped == looped
+  np.testing.assert_allclose(losses, eager, rtol=1e-5)
+  np.testing.assert_allclose(norms, eager_norms, rtol=1e-4)
 
 
 @pytest.fixture

@@ -66,9 +66,8 @@ def test_bridged_training_leaves_the_process_as_plain_torch_xla_does():
   """torch's accelerator and device registry, `DataLoader(pin_memory=True)` (here and in another
   thread), default dtype and device, mode stacks, autocast, environment variables, threads,
   loggers, warning filters, the garbage collector, the torch/NumPy/Python/XLA random streams
-  and JAX's options: after
-  four steps trained through `bridge_modules`, `bridge` and `train_step`, as after the same steps
-  in plain torch_xla (each in a fresh process)."""
+  and JAX's options: after four steps trained through `bridge_modules`, `bridge` and
+  `train_step`, as after the same steps in plain torch_xla (each in a fresh process)."""
   script = str(ROOT / "test" / "process_state_check.py")
   running = {mode: subprocess.Popen([sys.executable, script, mode], cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -61,10 +61,11 @@ def apply_rule(params: list, grads: list, states: list, scalars: Any, *, rule: R
   rows = rows if rows is not None else tuple(range(len(params)))
   table = scalars[:-1].reshape(len(options), len(names))
   hypers = [{name: table[r, k] for k, name in enumerate(names)} for r in range(len(options))]
+  updates = [_traced_once(rule, tuple(sorted(o.items()))) for o in options]
   new_params, new_states = [], []
   for i, (p, g, state) in enumerate(zip(params, grads, states)):
-    update = _traced_once(rule, tuple(sorted(options[rows[i]].items())))
-    new_p, new_state = (p, state) if i in unchanged else update(p, g, state, hypers[rows[i]])
+    new_p, new_state = ((p, state) if i in unchanged else
+                        updates[rows[i]](p, g, state, hypers[rows[i]]))
     new_params.append(new_p.astype(p.dtype))
     new_states.append({k: v.astype(state[k].dtype) if k in state else v
                        for k, v in new_state.items()})
